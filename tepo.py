@@ -1,0 +1,1090 @@
+"""tepo: the group-relative RL objectives used to train LLMs to reason, in one readable file.
+
+Read it top to bottom, like a chapter:
+
+  1. Building blocks   masked means, group-relative advantages, importance ratios (token, sequence,
+                       K-token block), loss aggregation, KL estimators, log-probs and entropy from
+                       logits, the per-token covariance, DAPO's two data-side pieces.
+  2. Configuration     one dataclass with every switch, and the paper defaults of each objective.
+  3. Objectives        one function per objective, in historical order, all with the same signature
+                           fn(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None,
+                              old_entropy=None, num_tokens=None, num_seqs=None) -> (loss, metrics)
+                       PPO-clip, GRPO, DAPO, Dr. GRPO, Clip-Cov, KL-Cov, GSPO, GSPO-token, TEPO, MPO.
+  4. Entropy mathematics  the entropy-covariance derivation (Cui et al. 2505.22617; TEPO's appendix)
+                       step by step, and the live check used by train_small.py.
+
+Honest labels. PPO-clip, GRPO, DAPO, Dr. GRPO, GSPO, Clip-Cov and KL-Cov follow their papers and the
+verl / TRL implementations. TEPO (arXiv 2510.09369, 2604.12736) and MPO (arXiv 2602.14386) have no
+public code and only their abstracts are public: their objectives here are RECONSTRUCTIONS, and every
+ambiguous choice is a switch in ObjectiveConfig (see ../shared/ALGORITHMS.md sections 1 and 2).
+
+Tensor layout (all objectives):
+  B  sequences in the (mini-)batch = prompts x G, groups contiguous (rows g*G .. g*G+G-1 share a prompt)
+  T  padded response length, V vocabulary size
+  logp, old_logp, ref_logp   [B, T]  log-prob of each sampled token (only logp carries gradient)
+  mask                       [B, T]  1 for response tokens that are trained, 0 for padding
+  advantages                 [B] or [B, T], always treated as constants
+
+Importing this module needs torch only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "AGGREGATIONS", "KL_ESTIMATORS", "ObjectiveConfig", "PAPER_DEFAULTS", "OBJECTIVES", "config_for",
+    "needs_ref", "needs_entropy", "masked_sum", "masked_mean", "group_advantages", "token_log_ratio",
+    "sequence_log_ratio", "block_index", "block_log_ratio", "aggregate_loss", "kl_penalty",
+    "token_logprobs_from_logits", "entropy_from_logits", "token_covariance", "dynamic_sampling_mask",
+    "soft_overlong_punishment", "clipped_surrogate",
+    "ppo_clip_loss", "grpo_loss", "dapo_loss", "dr_grpo_loss", "clip_cov_loss", "kl_cov_loss",
+    "gspo_loss", "gspo_token_loss", "tepo_loss", "mpo_loss",
+    "softmax_entropy", "entropy_grad_wrt_logits", "softmax_log_jacobian", "fisher_matrix",
+    "natural_gradient_step", "policy_gradient_step", "first_order_entropy_change",
+    "entropy_change_prediction",
+]
+
+
+def _check_choice(name: str, value, choices) -> None:
+    """One-line ValueError naming the argument, the bad value and the valid choices."""
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not valid; choose one of: {', '.join(map(str, choices))}")
+
+
+# =====================================================================================================
+# 1. Building blocks
+# =====================================================================================================
+
+# ---- masked reductions ------------------------------------------------------------------------------
+# torch.where, not x * mask: a NaN or inf sitting at a padded position would survive 0 * NaN = NaN
+# and leak into the loss or the logged metrics (ANCHORS.md bug 7).
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Sum of x over the positions where mask is 1 (all of them, or along `dim`)."""
+    kept = torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return kept.sum() if dim is None else kept.sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Mean of x over valid positions; 0 (not NaN) where nothing is valid."""
+    count = mask.to(x.dtype).sum() if dim is None else mask.to(x.dtype).sum(dim)
+    return masked_sum(x, mask, dim) / count.clamp(min=1)
+
+
+# ---- group-relative advantages (ALGORITHMS.md 0.2) ----------------------------------------------------
+
+ADVANTAGE_SCALES = ("group", "batch", "none")
+
+
+def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[B] -> [B / G, G], checking that the batch is a whole number of contiguous groups."""
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards: expected shape [B], got {tuple(rewards.shape)}")
+    if int(group_size) != group_size or group_size < 1:
+        raise ValueError(f"group_size={group_size!r} is not valid; choose an integer >= 1")
+    if rewards.numel() % group_size != 0:
+        raise ValueError(f"rewards: a batch of {rewards.numel()} is not a whole number of groups of "
+                         f"group_size={group_size}; choose a group_size that divides the batch")
+    return rewards.view(-1, int(group_size))
+
+
+@torch.no_grad()
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group",
+                     eps: float = 1e-6) -> torch.Tensor:
+    """A_i = (r_i - mean(group)) / (std + eps), one number per sequence.            [B] -> [B]
+
+    scale="group": GRPO (std of the group; verl, TRL scale_rewards="group").
+    scale="batch": mean per group, std over the whole batch (TRL scale_rewards="batch").
+    scale="none":  Dr. GRPO, r_i - mean(group) (verl norm_adv_by_std_in_grpo=False, TRL "none").
+    std is the unbiased (Bessel) sample std, as in verl and TRL. A group of one sample has no
+    baseline: mean 0 and std 1, as in verl. A group whose rewards are all equal gets A = 0: it
+    carries no learning signal, which is why DAPO filters such groups out.
+    """
+    _check_choice("advantage_scale", scale, ADVANTAGE_SCALES)
+    r = rewards.to(torch.float64 if rewards.dtype == torch.float64 else torch.float32)
+    grouped = _grouped(r, group_size)                                       # [n_groups, G]
+    if group_size == 1:
+        mean, std = torch.zeros_like(grouped), torch.ones_like(grouped)
+    else:
+        mean, std = grouped.mean(1, keepdim=True), grouped.std(1, keepdim=True)
+    if scale == "batch":
+        std = r.std() if r.numel() > 1 else torch.ones((), dtype=r.dtype, device=r.device)
+    centred = grouped - mean
+    adv = centred if scale == "none" else centred / (std + eps)
+    return torch.nan_to_num(adv).view(-1)
+
+
+# ---- importance ratios ----------------------------------------------------------------------------
+
+def token_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
+                    clamp: float = 20.0) -> torch.Tensor:
+    """delta_{i,t} = log pi_theta - log pi_old, clamped to [-clamp, clamp], 0 at padding.   [B, T]
+
+    The clamp (verl uses 20) keeps exp(delta) finite when a ratio explodes; inside it the gradient
+    is exactly d logp.
+    """
+    delta = (logp - old_logp).clamp(-clamp, clamp)
+    return torch.where(mask.bool(), delta, torch.zeros_like(delta))
+
+
+def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log s_i = (1/|o_i|) sum_t delta_{i,t}: the log of GSPO's geometric-mean sequence ratio.  [B]
+
+    s_i = (pi_theta(o_i|q) / pi_old(o_i|q)) ** (1/|o_i|). Without the 1/|o_i| the sequence ratio
+    of a long answer would be a product of hundreds of token ratios and explode or vanish.
+    """
+    return masked_mean(logp - old_logp, mask, dim=-1)
+
+
+def block_index(mask: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Which K-token block each position belongs to.                                      [B, T] long
+
+    Blocks are counted over valid tokens from the first response token: the n-th valid token
+    (n = 0, 1, ...) is in block n // K. For left-aligned responses this is simply t // K.
+    """
+    if int(block_size) != block_size or block_size < 1:
+        raise ValueError(f"block_size={block_size!r} is not valid; choose an integer K >= 1")
+    n_before = mask.long().cumsum(-1) - 1                                   # valid tokens before t
+    return n_before.clamp(min=0) // block_size
+
+
+BLOCK_RATIOS = ("joint", "geomean")
+
+
+def block_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, block_size: int,
+                    block_ratio: str = "joint") -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-ratio of each K-token block (MPO, reconstruction).         [B, T] -> ([B, J], [B, J])
+
+    joint:   log rho_{i,j} = sum_{t in block} delta_{i,t}   (K tokens are ONE action: the ratio of
+             the action's probability is the product of its token ratios)
+    geomean: log rho_{i,j} = mean_{t in block} delta_{i,t}  (the geometric-mean reading; a partial
+             last block is normalised by its own length)
+    J = ceil(T / K). Returns the block log-ratios and the number of valid tokens in each block
+    (0 marks an empty block). The last block of a response is partial when K does not divide
+    its length.
+    """
+    _check_choice("block_ratio", block_ratio, BLOCK_RATIOS)
+    B, T = logp.shape
+    J = math.ceil(T / block_size)
+    blk = block_index(mask, block_size)                                     # [B, T]
+    valid = mask.bool()
+    delta = torch.where(valid, logp - old_logp, torch.zeros_like(logp))
+    delta_blk = delta.new_zeros(B, J).scatter_add(1, blk, delta)            # [B, J]
+    n_blk = delta.new_zeros(B, J).scatter_add(1, blk, valid.to(delta.dtype))  # [B, J]
+    if block_ratio == "geomean":
+        delta_blk = delta_blk / n_blk.clamp(min=1)
+    return delta_blk, n_blk
+
+
+# ---- loss aggregation (ALGORITHMS.md 0.3, verl's names) -------------------------------------------
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, *, num_tokens=None,
+                   num_seqs=None, norm_constant=None) -> torch.Tensor:
+    """Reduce a per-token loss [B, T] to a scalar. How it is reduced decides how much each token
+    and each sequence weighs, and so how length biases the gradient.
+
+      token-mean              sum_{i,t} l / sum_{i,t} m       every token weighs the same (DAPO)
+      seq-mean-token-mean     (1/B') sum_i mean_t l           every sequence weighs the same, so a
+                                                               token of a long answer weighs less (GRPO)
+      seq-mean-token-sum      (1/B') sum_i sum_t l            long answers weigh more
+      seq-mean-token-sum-norm sum_{i,t} l / (B * C)           a constant C (default T; Dr. GRPO's
+                                                               max generation length): no length bias
+    B' counts non-empty sequences. Gradient accumulation: pass num_tokens (token-mean) or num_seqs
+    (the seq-* modes) counted over ALL micro-batches of one optimizer step, and the sum of the
+    micro-batch losses equals the loss of the whole batch, gradient included (ANCHORS.md bug 5).
+    verl's seq-mean-token-sum-norm divides by C only and gets 1/B from its micro-batch scaling;
+    here it is the paper's form, divided by B * C.
+    """
+    _check_choice("aggregation", mode, AGGREGATIONS)
+    valid = mask.bool()
+    lengths = valid.sum(-1)                                                 # [B]
+    if mode == "token-mean":
+        denom = lengths.sum().clamp(min=1) if num_tokens is None else num_tokens
+        return masked_sum(loss_mat, valid) / denom
+    if mode == "seq-mean-token-sum-norm":
+        C = loss_mat.shape[-1] if norm_constant is None else norm_constant
+        n = loss_mat.shape[0] if num_seqs is None else num_seqs
+        return masked_sum(loss_mat, valid) / (n * C)
+    per_seq = masked_sum(loss_mat, valid, dim=-1)                           # [B]
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / lengths.clamp(min=1)
+    n = (lengths > 0).sum().clamp(min=1) if num_seqs is None else num_seqs
+    return per_seq.sum() / n
+
+
+# ---- KL estimators (Schulman's k1 / k2 / k3; ALGORITHMS.md 0.4) ---------------------------------------
+
+KL_ESTIMATORS = ("k1", "abs", "k2", "k3", "k1+", "k3+")
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi_theta || pi_ref) from tokens sampled by pi_theta.       [B, T]
+
+    With x = log pi_theta - log pi_ref at the sampled token:
+      k1  = x                  unbiased in value, can be negative, noisy
+      abs = |x|                KL-Cov's penalty; gradient sign(x), 0 at x = 0
+      k2  = x^2 / 2            biased in value, but its gradient is the KL gradient direction
+      k3  = exp(-x) + x - 1    unbiased and >= 0 (GRPO's choice). verl clamps -x to [-20, 20] and
+                               the result to [-10, 10]; so do we.
+      k1+, k3+                 straight-through: the value of k1 / k3 with the gradient of k2
+    The penalty is not masked here: the aggregation masks it, exactly once (ANCHORS.md bug 3).
+    """
+    _check_choice("kl_estimator", estimator, KL_ESTIMATORS)
+    x = logp - ref_logp
+    if estimator == "k1":
+        return x
+    if estimator == "abs":
+        return x.abs()
+    k2 = 0.5 * x.square()
+    if estimator == "k2":
+        return k2
+    k3 = (torch.exp((-x).clamp(-20, 20)) + x - 1).clamp(-10, 10)
+    if estimator == "k3":
+        return k3
+    value = x if estimator == "k1+" else k3
+    return k2 - k2.detach() + value.detach()
+
+
+# ---- log-probs and entropy from logits --------------------------------------------------------------
+
+def token_logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor,
+                               temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature) at the sampled tokens.         [B, T, V], [B, T] -> [B, T]
+
+    The temperature must be the sampling temperature: a sample drawn at temperature 0.7 has its
+    probability under softmax(z / 0.7), and a ratio against untempered log-probs is wrong
+    (ANCHORS.md bug 6). logsumexp avoids materialising a second [B, T, V] log-softmax tensor.
+    """
+    z = logits.float() / temperature if temperature != 1.0 else logits.float()
+    chosen = z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return chosen - torch.logsumexp(z, dim=-1)
+
+
+@torch.no_grad()
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0,
+                        chunk_size: int = 1024) -> torch.Tensor:
+    """Full-vocabulary entropy H = -sum_v p_v log p_v at every position.        [..., V] -> [...]
+
+    This is the entropy of the policy, not the mean -log p of the sampled token (a one-sample
+    estimate of it; ANCHORS.md bug 1). Rows are processed `chunk_size` at a time, so a 150k
+    vocabulary never needs a second full-size float tensor. No gradient: it is a diagnostic.
+    """
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+    for start in range(0, flat.shape[0], chunk_size):
+        z = flat[start:start + chunk_size].float() / temperature
+        logp = torch.log_softmax(z, dim=-1)
+        out[start:start + chunk_size] = -(logp.exp() * logp).sum(-1)
+    return out.view(logits.shape[:-1])
+
+
+# ---- the per-token covariance (Cui et al. 2505.22617, section 6.2) ----------------------------------
+
+@torch.no_grad()
+def token_covariance(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Cov_{i,t} = (log pi_{i,t} - mean log pi) * (A_{i,t} - mean A), means over valid tokens.  [B, T]
+
+    Each token's contribution to Cov(log pi, A), the quantity that drives entropy down (section 4).
+    High values mark confident tokens with positive advantage (or rare ones with negative
+    advantage): the tokens that collapse entropy. Used by Clip-Cov, KL-Cov and TEPO's mask.
+    0 at padding.
+    """
+    logp = logp.detach()
+    adv = advantages.detach().to(logp.dtype)
+    adv = adv.unsqueeze(-1).expand_as(logp) if adv.dim() == 1 else adv
+    cov = (logp - masked_mean(logp, mask)) * (adv - masked_mean(adv, mask))
+    return torch.where(mask.bool(), cov, torch.zeros_like(cov))
+
+
+# ---- DAPO's data-side pieces (arXiv 2503.14476) -----------------------------------------------------
+
+@torch.no_grad()
+def dynamic_sampling_mask(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Keep the rows whose group has rewards that differ (std > 0).                    [B] -> bool [B]
+
+    A group that is all right or all wrong has advantage 0 for every sample: it adds no gradient
+    but dilutes the batch. DAPO drops such groups and samples more prompts until the batch is full.
+    """
+    grouped = _grouped(rewards, group_size)                                 # [n_groups, G]
+    keep = grouped.amax(1) > grouped.amin(1)
+    return keep.repeat_interleave(group_size)
+
+
+def soft_overlong_punishment(lengths: torch.Tensor, max_len: int, cache_len: int,
+                             factor: float = 1.0) -> torch.Tensor:
+    """DAPO's length penalty, added to the task reward.                                 [B] -> [B]
+
+      0                                 if |y| <= L_max - L_cache
+      ((L_max - L_cache) - |y|) / L_cache   in between (falls linearly from 0 to -1)
+      -1                                if |y| > L_max
+    times `factor`. The paper uses L_max = 20480, L_cache = 4096.
+    """
+    if cache_len <= 0 or cache_len > max_len:
+        raise ValueError(f"cache_len={cache_len!r} is not valid; choose 0 < cache_len <= max_len={max_len}")
+    lengths = lengths.to(torch.float64 if lengths.dtype == torch.float64 else torch.float32)
+    expected = max_len - cache_len
+    ramp = (expected - lengths) / cache_len
+    penalty = torch.where(lengths <= expected, torch.zeros_like(lengths),
+                          torch.where(lengths <= max_len, ramp, -torch.ones_like(lengths)))
+    return factor * penalty
+
+
+# =====================================================================================================
+# 2. Configuration: every switch of every objective, and each paper's defaults
+# =====================================================================================================
+
+@dataclass
+class ObjectiveConfig:
+    """Every switch of every objective. An objective reads only the fields it documents."""
+    # clipping (PPO family, GSPO, TEPO, MPO, Clip-Cov)
+    eps_low: float = 0.2             # ratio clipped below at 1 - eps_low
+    eps_high: float = 0.2            # ratio clipped above at 1 + eps_high (DAPO's clip-higher: 0.28)
+    dual_clip_c: float | None = None  # dual-clip bound c for negative advantages (verl: 3.0); None = off
+    log_ratio_clamp: float = 20.0    # log-ratios clamped to +-this before exp, for finite values
+    # KL term
+    beta: float = 0.0                # coefficient of the objective's KL term (which KL: see each objective)
+    kl_estimator: str = "k3"         # k1 | abs | k2 | k3 | k1+ | k3+
+    # aggregation
+    aggregation: str = "token-mean"  # one of AGGREGATIONS
+    norm_constant: float | None = None  # C of seq-mean-token-sum-norm; None = padded length T
+    # advantages and data (read by the trainer, not by the losses)
+    advantage_scale: str = "group"   # group | batch | none (Dr. GRPO)
+    adv_eps: float = 1e-6            # epsilon in the advantage's std division (verl 1e-6, TRL 1e-4)
+    dynamic_sampling: bool = False   # DAPO: drop groups whose rewards are all equal
+    overlong_penalty: bool = False   # DAPO: add soft_overlong_punishment to the reward
+    # TEPO (reconstruction: ALGORITHMS.md 1.4-1.5)
+    ratio_mode: str = "gspo_token"   # gspo_token (sequence ratio carried to tokens) | gmpo (log-space clip)
+    entropy_criterion: str = "cov"   # "decreasing entropy" = cov (Cov_{i,t} > 0) | measured (H < H_old)
+    kl_target: str = "old"           # masked KL against the rollout policy (old) or the reference (ref)
+    kl_mode: str = "soft"            # soft: + beta * M * D | hard: drop masked tokens with D > kl_tau
+    kl_tau: float = 0.0              # threshold of the hard mask
+    # MPO (reconstruction: ALGORITHMS.md 2.2)
+    block_size: int = 4              # K tokens per action block
+    block_ratio: str = "joint"       # joint (product of K ratios) | geomean (their geometric mean)
+    block_agg: str = "seq-mean-block-mean"  # seq-mean-block-mean | block-mean | token-weighted
+    # Clip-Cov / KL-Cov (Cui et al. 2505.22617)
+    clip_cov_ratio: float = 2e-4     # fraction of valid tokens whose gradient Clip-Cov detaches
+    clip_cov_lb: float = 1.0         # Clip-Cov candidates have lb < Cov < ub
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-3       # fraction of valid tokens (top Cov) that KL-Cov penalises
+
+    def __post_init__(self):
+        check_config(self)
+
+
+RATIO_MODES = ("gspo_token", "gmpo")
+ENTROPY_CRITERIA = ("cov", "measured")
+KL_TARGETS = ("old", "ref")
+KL_MODES = ("soft", "hard")
+BLOCK_AGGREGATIONS = ("seq-mean-block-mean", "block-mean", "token-weighted")
+
+
+def check_config(cfg: ObjectiveConfig) -> None:
+    """Raise a one-line ValueError for any invalid switch (called on creation and by every loss)."""
+    _check_choice("aggregation", cfg.aggregation, AGGREGATIONS)
+    _check_choice("kl_estimator", cfg.kl_estimator, KL_ESTIMATORS)
+    _check_choice("advantage_scale", cfg.advantage_scale, ADVANTAGE_SCALES)
+    _check_choice("ratio_mode", cfg.ratio_mode, RATIO_MODES)
+    _check_choice("entropy_criterion", cfg.entropy_criterion, ENTROPY_CRITERIA)
+    _check_choice("kl_target", cfg.kl_target, KL_TARGETS)
+    _check_choice("kl_mode", cfg.kl_mode, KL_MODES)
+    _check_choice("block_ratio", cfg.block_ratio, BLOCK_RATIOS)
+    _check_choice("block_agg", cfg.block_agg, BLOCK_AGGREGATIONS)
+    for name in ("eps_low", "eps_high", "beta", "kl_tau", "adv_eps", "clip_cov_ratio", "kl_cov_ratio"):
+        if not getattr(cfg, name) >= 0:
+            raise ValueError(f"{name}={getattr(cfg, name)!r} is not valid; choose a number >= 0")
+    if not cfg.log_ratio_clamp > 0:
+        raise ValueError(f"log_ratio_clamp={cfg.log_ratio_clamp!r} is not valid; choose a number > 0")
+    if cfg.dual_clip_c is not None and not cfg.dual_clip_c > 1:
+        raise ValueError(f"dual_clip_c={cfg.dual_clip_c!r} is not valid; choose a number > 1 or None")
+    if cfg.norm_constant is not None and not cfg.norm_constant > 0:
+        raise ValueError(f"norm_constant={cfg.norm_constant!r} is not valid; choose a number > 0 or None")
+    if int(cfg.block_size) != cfg.block_size or cfg.block_size < 1:
+        raise ValueError(f"block_size={cfg.block_size!r} is not valid; choose an integer K >= 1")
+    if not cfg.clip_cov_lb < cfg.clip_cov_ub:
+        raise ValueError(f"clip_cov_lb={cfg.clip_cov_lb!r} is not valid; choose clip_cov_lb < "
+                         f"clip_cov_ub={cfg.clip_cov_ub!r}")
+
+
+# Each paper's settings ([P] paper, [I] verl/TRL, [INFERRED] this project's reconstruction).
+PAPER_DEFAULTS: dict[str, ObjectiveConfig] = {
+    # PPO as used in LLM RL: verl's `vanilla` loss with dual-clip c = 3 [I]
+    "ppo": ObjectiveConfig(eps_low=0.2, eps_high=0.2, dual_clip_c=3.0, aggregation="token-mean"),
+    # DeepSeekMath: eps 0.2 (conventional), beta 0.04, k3 KL to the reference, per-sequence mean [P/I]
+    "grpo": ObjectiveConfig(eps_low=0.2, eps_high=0.2, beta=0.04, kl_estimator="k3",
+                            aggregation="seq-mean-token-mean"),
+    # DAPO: clip-higher 0.2 / 0.28, token-mean, no KL, dynamic sampling, soft overlong punishment [P]
+    "dapo": ObjectiveConfig(eps_low=0.2, eps_high=0.28, aggregation="token-mean",
+                            dynamic_sampling=True, overlong_penalty=True),
+    # Dr. GRPO: no std in the advantage, sum over tokens / (B * L_max), no KL [P]
+    "dr_grpo": ObjectiveConfig(eps_low=0.2, eps_high=0.2, aggregation="seq-mean-token-sum-norm",
+                               advantage_scale="none"),
+    # Entropy mechanism, official 7B scripts: clip range 1 (ratio in [0, 2]), r = 2e-4, (lb, ub) = (1, 5) [I]
+    "clip_cov": ObjectiveConfig(eps_low=1.0, eps_high=1.0, aggregation="token-mean",
+                                clip_cov_ratio=2e-4, clip_cov_lb=1.0, clip_cov_ub=5.0,
+                                dynamic_sampling=True),
+    # KL-Cov, official 7B scripts: top 0.2 % of tokens by Cov, coefficient 1 [I]
+    "kl_cov": ObjectiveConfig(beta=1.0, kl_estimator="abs", aggregation="token-mean",
+                              kl_cov_ratio=2e-3, dynamic_sampling=True),
+    # GSPO: sequence ratio, eps (3e-4, 4e-4), per-sequence mean, no KL [P]
+    "gspo": ObjectiveConfig(eps_low=3e-4, eps_high=4e-4, aggregation="seq-mean-token-mean"),
+    "gspo_token": ObjectiveConfig(eps_low=3e-4, eps_high=4e-4, aggregation="seq-mean-token-mean"),
+    # TEPO [INFERRED]: GSPO-token ratio, token-mean, KL mask with |delta| to the old policy, beta 1,
+    # GSPO's clip range, dynamic sampling as in the entropy-mechanism recipe it likely reused
+    "tepo": ObjectiveConfig(eps_low=3e-4, eps_high=4e-4, beta=1.0, kl_estimator="abs",
+                            aggregation="token-mean", ratio_mode="gspo_token", entropy_criterion="cov",
+                            kl_target="old", kl_mode="soft", dynamic_sampling=True),
+    # MPO [INFERRED]: K = 4 joint block ratio, GRPO's clip range and per-sequence mean over blocks
+    "mpo": ObjectiveConfig(eps_low=0.2, eps_high=0.2, block_size=4, block_ratio="joint",
+                           block_agg="seq-mean-block-mean"),
+}
+
+
+def config_for(name: str, **overrides) -> ObjectiveConfig:
+    """The paper defaults of objective `name`, with some fields overridden."""
+    _check_choice("objective", name, tuple(PAPER_DEFAULTS))
+    known = {f.name for f in dataclasses.fields(ObjectiveConfig)}
+    for key in overrides:
+        _check_choice("config field", key, tuple(sorted(known)))
+    return dataclasses.replace(PAPER_DEFAULTS[name], **overrides)
+
+
+def needs_ref(name: str, cfg: ObjectiveConfig) -> bool:
+    """Does this objective need log-probs from a frozen reference model?"""
+    if name == "tepo":
+        return cfg.kl_target == "ref" and (cfg.beta > 0 or cfg.kl_mode == "hard")
+    if name == "kl_cov":          # KL-Cov's beta weighs |log pi - log pi_old|, not a reference KL
+        return False
+    return cfg.beta > 0
+
+
+def needs_entropy(name: str, cfg: ObjectiveConfig) -> bool:
+    """Does this objective need the entropy now and at rollout time (TEPO's measured criterion)?"""
+    return name == "tepo" and cfg.entropy_criterion == "measured"
+
+
+# =====================================================================================================
+# 3. Objectives
+# =====================================================================================================
+# Shared pieces first: input checks, the clipped surrogate, the KL-to-reference term, and the
+# metrics every objective reports. Then one function per objective, in historical order.
+
+def _prepare(logp, old_logp, advantages, mask, cfg, **optional):
+    """Check shapes and switches; return float logp/old_logp, bool mask and advantages as [B, T]."""
+    check_config(cfg)
+    if logp.dim() != 2:
+        raise ValueError(f"logp: expected shape [B, T], got {tuple(logp.shape)}")
+    for name, tensor in (("old_logp", old_logp), ("mask", mask), *optional.items()):
+        if tensor is not None and tuple(tensor.shape) != tuple(logp.shape):
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match logp {tuple(logp.shape)}")
+    if tuple(advantages.shape) not in ((logp.shape[0],), tuple(logp.shape)):
+        raise ValueError(f"advantages: shape {tuple(advantages.shape)} is not valid; choose "
+                         f"[B]={[logp.shape[0]]} or [B, T]={list(logp.shape)}")
+    # bf16 / fp16 inputs are computed in fp32: exp() of a ratio needs the mantissa. Gradients
+    # flow back through the cast.
+    dtype = torch.float32 if logp.dtype in (torch.float16, torch.bfloat16) else logp.dtype
+    adv = advantages.detach().to(dtype)
+    adv = adv.unsqueeze(-1).expand(logp.shape) if adv.dim() == 1 else adv   # [B, T]
+    return logp.to(dtype), old_logp.detach().to(dtype), adv, mask.bool()
+
+
+def _sequence_advantages(advantages: torch.Tensor, objective: str) -> torch.Tensor:
+    if advantages.dim() != 1:
+        raise ValueError(f"advantages: {objective} needs one advantage per sequence, shape [B], got "
+                         f"{tuple(advantages.shape)}; choose gspo_token for per-token advantages")
+    return advantages
+
+
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float,
+                      dual_clip_c: float | None = None):
+    """PPO's pessimistic clipped loss, elementwise: max(-A r, -A clip(r, 1-eps_low, 1+eps_high)).
+
+    Returns (loss, clipped_low, clipped_high). A token is clipped, and gets zero gradient, when its
+    ratio has left the band in the direction its advantage pushes: r > 1 + eps_high with A > 0, or
+    r < 1 - eps_low with A < 0. At r = 1 nothing is clipped and the gradient is exactly
+    -A * d log pi (d r = r d log pi, r = 1; no factor 2, ANCHORS.md bug 2).
+    Dual-clip: with A < 0 the loss is also capped at -A * c, so an exploded ratio on a
+    negative-advantage token cannot blow the loss up.
+    """
+    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps_low, 1 + eps_high))
+    if dual_clip_c is not None:
+        loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_clip_c), loss)
+    clipped_low = (ratio < 1 - eps_low) & (adv < 0)
+    clipped_high = (ratio > 1 + eps_high) & (adv > 0)
+    return loss, clipped_low, clipped_high
+
+
+def _reference_kl(logp, ref_logp, cfg, objective):
+    """The GRPO-style KL term beta * KL(pi_theta || pi_ref), per token; None when beta = 0."""
+    if cfg.beta == 0:
+        return None
+    if ref_logp is None:
+        raise ValueError(f"ref_logp: {objective} with beta={cfg.beta} needs reference log-probs; "
+                         f"pass ref_logp or choose beta=0")
+    return kl_penalty(logp, ref_logp.detach().to(logp.dtype), cfg.kl_estimator)
+
+
+def _aggregate(loss_mat, mask, cfg, num_tokens, num_seqs):
+    """aggregate_loss with the config's mode and constant."""
+    return aggregate_loss(loss_mat, mask, cfg.aggregation, num_tokens=num_tokens, num_seqs=num_seqs,
+                          norm_constant=cfg.norm_constant)
+
+
+def _finish(pg_loss, kl_mat, logp, old_logp, ratio, clipped_low, clipped_high, mask, cfg,
+            num_tokens, num_seqs, ref_logp=None, extra=None):
+    """Add the KL part (aggregated like the policy-gradient part) and gather the metrics.
+
+    Metrics (floats; token statistics over valid tokens only):
+      loss, pg_loss, kl_loss         the loss and its parts (loss = pg_loss + beta * kl_loss)
+      clip_ratio/low_mean            fraction of tokens clipped at 1 - eps_low (A < 0)
+      clip_ratio/high_mean           fraction clipped at 1 + eps_high (A > 0)
+      clip_ratio/region_mean         either of the two
+      ratio/mean, ratio/min, ratio/max   the importance ratio the objective clips
+      kl_old/k1, kl_old/k3           KL(pi_old || pi_theta) from the rollout's tokens (verl ppo_kl)
+      kl_ref                         k3 KL to the reference, when ref_logp is given
+      on_policy                      1.0 when every ratio is exactly 1: clipping, GSPO's clipping,
+                                     TEPO's KL mask (target old) and KL-Cov's penalty cannot act
+                                     on this step. The loss value is then ~0 with centred
+                                     advantages, while the gradient is not.
+    """
+    kl_loss = (_aggregate(kl_mat, mask, cfg, num_tokens, num_seqs) if kl_mat is not None
+               else torch.zeros((), dtype=pg_loss.dtype, device=pg_loss.device))
+    loss = pg_loss + cfg.beta * kl_loss
+    with torch.no_grad():
+        delta = torch.where(mask, logp - old_logp, torch.zeros_like(logp)).detach()
+        r = ratio.detach()
+        one = torch.ones((), dtype=r.dtype, device=r.device)
+        stats = {
+            "loss": loss.detach(), "pg_loss": pg_loss.detach(), "kl_loss": kl_loss.detach(),
+            "clip_ratio/low_mean": masked_mean(clipped_low.to(r.dtype), mask),
+            "clip_ratio/high_mean": masked_mean(clipped_high.to(r.dtype), mask),
+            "clip_ratio/region_mean": masked_mean((clipped_low | clipped_high).to(r.dtype), mask),
+            "ratio/mean": masked_mean(r, mask),
+            "ratio/min": torch.where(mask, r, one).amin() if r.numel() else one,
+            "ratio/max": torch.where(mask, r, one).amax() if r.numel() else one,
+            "kl_old/k1": masked_mean(-delta, mask),
+            "kl_old/k3": masked_mean(torch.expm1(delta.clamp(max=20)) - delta, mask),
+            "on_policy": (delta.abs().amax() == 0).to(r.dtype) if r.numel() else one,
+        }
+        if ref_logp is not None:
+            stats["kl_ref"] = masked_mean(kl_penalty(logp.detach(), ref_logp.to(logp.dtype), "k3"), mask)
+        stats.update(extra or {})
+        names = list(stats)
+        values = torch.stack([v.to(torch.float64).reshape(()).cpu() for v in stats.values()]).tolist()
+    return loss, dict(zip(names, values))
+
+
+# ---- 3.1 PPO-clip (Schulman et al. 2017, arXiv 1707.06347) -------------------------------------------
+
+def ppo_clip_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None,
+                  old_entropy=None, num_tokens=None, num_seqs=None):
+    """PPO's clipped surrogate at the token level, as LLM RL uses it.
+
+        l_{i,t} = max(-A_{i,t} r_{i,t}, -A_{i,t} clip(r_{i,t}, 1 - eps_low, 1 + eps_high))
+                  [+ dual clip: min(l, -A c) where A < 0]  + beta * KL_k(pi_theta || pi_ref)_{i,t}
+        r_{i,t} = exp(log pi_theta - log pi_old)
+
+    Paper: Schulman et al., arXiv 1707.06347 (the original uses GAE advantages from a critic; here
+    the advantages are whatever you pass, usually group-relative). verl: policy_loss.loss_mode=
+    "vanilla" (clip_ratio_low/high, clip_ratio_c=3). Defaults: PAPER_DEFAULTS["ppo"].
+    Does nothing special when on-policy: every r = 1, no token is clipped, and the gradient is the
+    plain policy gradient -A d log pi (aggregated).
+    """
+    logp, old_logp, adv, mask = _prepare(logp, old_logp, advantages, mask, cfg, ref_logp=ref_logp)
+    delta = token_log_ratio(logp, old_logp, mask, cfg.log_ratio_clamp)
+    ratio = torch.exp(delta)                                                # [B, T]
+    pg_mat, low, high = clipped_surrogate(ratio, adv, cfg.eps_low, cfg.eps_high, cfg.dual_clip_c)
+    kl_mat = _reference_kl(logp, ref_logp, cfg, "ppo")
+    pg_loss = _aggregate(pg_mat, mask, cfg, num_tokens, num_seqs)
+    return _finish(pg_loss, kl_mat, logp, old_logp, ratio, low, high, mask, cfg, num_tokens, num_seqs,
+                   ref_logp)
+
+
+# ---- 3.2 GRPO (DeepSeekMath, Shao et al. 2024, arXiv 2402.03300) -----------------------------------
+
+def grpo_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None, old_entropy=None,
+              num_tokens=None, num_seqs=None):
+    """GRPO: PPO-clip with group-relative advantages, a per-sequence mean, and a k3 KL to the reference.
+
+        J = E[ (1/G) sum_i (1/|o_i|) sum_t { min(r A_i, clip(r, 1-eps, 1+eps) A_i) - beta D_KL,i,t } ]
+        A_i = (r_i - mean(r_group)) / std(r_group),  D_KL = pi_ref/pi - log(pi_ref/pi) - 1   (k3)
+
+    The per-token computation is exactly ppo_clip_loss; GRPO is a choice of advantages
+    (group_advantages, scale="group"), aggregation ("seq-mean-token-mean") and KL (beta=0.04, k3).
+    Paper: arXiv 2402.03300. TRL: GRPOTrainer(loss_type="grpo", beta=0.04). verl:
+    algorithm.adv_estimator=grpo, loss_agg_mode=seq-mean-token-mean, use_kl_loss=True,
+    kl_loss_type=low_var_kl. DeepSeekMath made one update per rollout, so r = 1 and the clip never
+    acted (metrics: on_policy = 1); a group whose rewards are all equal has A = 0 and contributes
+    only its KL gradient.
+    """
+    return ppo_clip_loss(logp, old_logp, advantages, mask, cfg, ref_logp=ref_logp,
+                         num_tokens=num_tokens, num_seqs=num_seqs)
+
+
+# ---- 3.3 DAPO (Yu et al. 2025, arXiv 2503.14476) ------------------------------------------------------
+
+def dapo_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None, old_entropy=None,
+              num_tokens=None, num_seqs=None):
+    """DAPO: PPO-clip with clip-higher and a token-level mean over the whole batch.
+
+        J = E[ 1/(sum_i |o_i|) sum_i sum_t min(r_{i,t} A_i, clip(r_{i,t}, 1-eps_low, 1+eps_high) A_i) ]
+        subject to 0 < #correct in the group < G
+
+    Four techniques: clip-higher (eps_low 0.2, eps_high 0.28: low-probability tokens with positive
+    advantage may grow, which slows entropy collapse); token-mean aggregation (every token weighs
+    the same, so long answers are not down-weighted); dynamic sampling (dynamic_sampling_mask,
+    data side); overlong reward shaping (soft_overlong_punishment, data side). No KL (beta = 0).
+    The per-token computation is ppo_clip_loss; the config makes it DAPO.
+    Paper: arXiv 2503.14476. TRL: loss_type="dapo", epsilon=0.2, epsilon_high=0.28. verl:
+    clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=token-mean, algorithm.filter_groups.
+    On-policy the clip does nothing and DAPO is the token-mean policy gradient.
+    """
+    return ppo_clip_loss(logp, old_logp, advantages, mask, cfg, ref_logp=ref_logp,
+                         num_tokens=num_tokens, num_seqs=num_seqs)
+
+
+# ---- 3.4 Dr. GRPO (Liu et al. 2025, arXiv 2503.20783) -----------------------------------------------
+
+def dr_grpo_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None, old_entropy=None,
+                 num_tokens=None, num_seqs=None):
+    """Dr. GRPO ("GRPO done right"): remove GRPO's two normalisations that bias it.
+
+        J = E[ 1/(G L) sum_i sum_t min(r_{i,t} A~_i, clip(r_{i,t}, 1-eps, 1+eps) A~_i) ],
+        A~_i = r_i - mean(r_group)
+
+    1/|o_i| is gone (it under-penalises long wrong answers), replaced by a constant L
+    (norm_constant; the max generation length); 1/std is gone from the advantage
+    (advantage_scale="none"; it up-weights too easy and too hard questions). No KL.
+    Paper: arXiv 2503.20783. TRL: loss_type="dr_grpo", scale_rewards="none". verl:
+    loss_agg_mode=seq-mean-token-sum-norm, norm_adv_by_std_in_grpo=False (verl divides by C only).
+    """
+    return ppo_clip_loss(logp, old_logp, advantages, mask, cfg, ref_logp=ref_logp,
+                         num_tokens=num_tokens, num_seqs=num_seqs)
+
+
+# ---- 3.5 Clip-Cov and KL-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs",
+#          arXiv 2505.22617) ------------------------------------------------------------------------
+
+def clip_cov_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None,
+                  old_entropy=None, num_tokens=None, num_seqs=None):
+    """Clip-Cov: detach the gradient of a few random high-covariance tokens.
+
+        l_{i,t} = max(-A r, -A clip(r, 1-eps_low, 1+eps_high)) * (0 if (i,t) selected else 1)
+        candidates: valid, not already clipped by PPO, clip_cov_lb < Cov_{i,t} < clip_cov_ub
+        selected:   min(max(1, int(clip_cov_ratio * N_valid)), #candidates) drawn uniformly
+
+    High Cov_{i,t} = (log pi - mean)(A - mean) marks the tokens that drive entropy down
+    (section 4); freezing a few of them keeps entropy up. The draw uses torch's global RNG:
+    seed it for reproducibility.
+    Paper: arXiv 2505.22617. verl: policy_loss.loss_mode="clip_cov", clip_cov_ratio=2e-4,
+    clip_cov_lb=1, clip_cov_ub=5; the official scripts set clip_ratio_low = clip_ratio_high = 1.
+    Does something even on-policy (selection does not depend on the ratio), but selects nothing
+    when no token's covariance falls in (lb, ub). beta > 0 adds a k3 KL to the reference.
+    """
+    logp, old_logp, adv, mask = _prepare(logp, old_logp, advantages, mask, cfg, ref_logp=ref_logp)
+    delta = token_log_ratio(logp, old_logp, mask, cfg.log_ratio_clamp)
+    ratio = torch.exp(delta)
+    pg_mat, low, high = clipped_surrogate(ratio, adv, cfg.eps_low, cfg.eps_high)
+    with torch.no_grad():
+        already_clipped = (-adv * ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)) > (-adv * ratio)
+        cov = token_covariance(logp, adv, mask).masked_fill(~mask | already_clipped, float("-inf"))
+        candidates = ((cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub)).flatten().nonzero().squeeze(-1)
+        n_clip = min(max(1, int(cfg.clip_cov_ratio * mask.sum().item())), candidates.numel())
+        chosen = candidates[torch.randperm(candidates.numel(), device=candidates.device)[:n_clip]]
+        keep = torch.ones(logp.numel(), dtype=torch.bool, device=logp.device)
+        keep[chosen] = False
+        keep = keep.view_as(logp)
+    pg_mat = torch.where(keep, pg_mat, torch.zeros_like(pg_mat))           # selected: no value, no grad
+    kl_mat = _reference_kl(logp, ref_logp, cfg, "clip_cov")
+    extra = {"cov/n_selected": torch.tensor(float(n_clip)),
+             "cov/mean": masked_mean(token_covariance(logp, adv, mask), mask)}
+    pg_loss = _aggregate(pg_mat, mask, cfg, num_tokens, num_seqs)
+    return _finish(pg_loss, kl_mat, logp, old_logp, ratio, low, high, mask, cfg, num_tokens, num_seqs,
+                   ref_logp, extra)
+
+
+def kl_cov_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None,
+                old_entropy=None, num_tokens=None, num_seqs=None):
+    """KL-Cov: no clipping; a |log-ratio| penalty on the top-covariance tokens.
+
+        l_{i,t} = -A r_{i,t} + beta |log pi_theta - log pi_old|_{i,t} * 1[(i,t) in top-k by Cov]
+        k = max(1, int(kl_cov_ratio * N_valid))
+
+    Every other token gets the unclipped policy-gradient loss -A r. beta is KL-Cov's coefficient
+    (ppo_kl_coef), not a reference KL.
+    Paper: arXiv 2505.22617. verl: policy_loss.loss_mode="kl_cov", kl_cov_ratio (2e-3 for 7B,
+    2e-4 for 32B), ppo_kl_coef=1.
+    Does nothing on-policy: |0| = 0 and torch's d|x|/dx at 0 is 0, so with one update per rollout
+    KL-Cov is the plain unclipped policy gradient (metrics: on_policy = 1; ANCHORS.md bug 8).
+    """
+    logp, old_logp, adv, mask = _prepare(logp, old_logp, advantages, mask, cfg)
+    delta = token_log_ratio(logp, old_logp, mask, cfg.log_ratio_clamp)
+    ratio = torch.exp(delta)
+    pg_mat = -adv * ratio                                                   # unclipped, every token
+    n_valid = int(mask.sum().item())
+    k = min(max(1, int(n_valid * cfg.kl_cov_ratio)), n_valid)
+    with torch.no_grad():
+        cov = token_covariance(logp, adv, mask)
+        selected = torch.zeros(logp.numel(), dtype=torch.bool, device=logp.device)
+        selected[torch.topk(cov.masked_fill(~mask, float("-inf")).flatten(), k).indices] = True
+        selected = selected.view_as(logp)
+    penalty = kl_penalty(logp, old_logp, cfg.kl_estimator)                 # |delta| by default
+    # verl adds beta * penalty inside the per-token loss; aggregation is linear, so keeping it as
+    # the KL part (aggregated the same way) gives the same value and gradient and logs it apart.
+    kl_mat = torch.where(selected, penalty, torch.zeros_like(penalty))
+    no_clip = torch.zeros_like(mask)
+    extra = {"cov/n_selected": torch.tensor(float(k)), "cov/mean": masked_mean(cov, mask)}
+    pg_loss = _aggregate(pg_mat, mask, cfg, num_tokens, num_seqs)
+    return _finish(pg_loss, kl_mat, logp, old_logp, ratio, no_clip, no_clip, mask, cfg, num_tokens,
+                   num_seqs, None, extra)
+
+
+# ---- 3.6 GSPO (Zheng et al. 2025, Qwen team, arXiv 2507.18071) ---------------------------------------
+
+def gspo_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None, old_entropy=None,
+              num_tokens=None, num_seqs=None):
+    """GSPO: one importance ratio per sequence, the geometric mean of its token ratios.
+
+        J = E[ (1/G) sum_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i) ]
+        s_i = (pi_theta(o_i|q) / pi_old(o_i|q)) ** (1/|o_i|) = exp(mean_t delta_{i,t})
+
+    The reward is given to a sequence, so the ratio is a sequence's too: a sequence is clipped as
+    a unit (all its tokens get zero gradient), whatever its individual token ratios. Unclipped
+    gradient: (1/G) sum_i s_i A_i (1/|o_i|) sum_t d log pi_{i,t}.
+    Here the sequence loss is spread over the sequence's tokens so that the `aggregation` switch
+    applies: "seq-mean-token-mean" (the paper, and verl's hard-wired choice) gives exactly the
+    mean over sequences; "token-mean" would weigh sequences by length (TRL warns about this).
+    Paper: arXiv 2507.18071, eps (3e-4, 4e-4), 4 mini-batches per rollout, no KL. TRL:
+    importance_sampling_level="sequence", loss_type="grpo". verl: loss_mode="gspo".
+    On-policy s_i = 1 and GSPO's gradient equals GRPO's (metrics: on_policy = 1).
+    """
+    logp, old_logp, adv, mask = _prepare(logp, old_logp, advantages, mask, cfg, ref_logp=ref_logp)
+    seq_adv = _sequence_advantages(advantages, "gspo").detach().to(logp.dtype)          # [B]
+    log_s = sequence_log_ratio(logp, old_logp, mask).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+    s = torch.exp(log_s)                                                                  # [B]
+    seq_loss, low, high = clipped_surrogate(s, seq_adv, cfg.eps_low, cfg.eps_high)      # [B]
+    pg_mat = seq_loss.unsqueeze(-1).expand_as(logp)                                      # [B, T]
+    kl_mat = _reference_kl(logp, ref_logp, cfg, "gspo")
+    as_tokens = lambda x: x.unsqueeze(-1).expand_as(logp)   # noqa: E731  (sequence stat per token)
+    pg_loss = _aggregate(pg_mat, mask, cfg, num_tokens, num_seqs)
+    return _finish(pg_loss, kl_mat, logp, old_logp, as_tokens(s), as_tokens(low), as_tokens(high), mask,
+                   cfg, num_tokens, num_seqs, ref_logp)
+
+
+def _sequence_ratio_per_token(logp, old_logp, mask, clamp):
+    """GSPO-token's w_{i,t} = sg[s_i] * pi_{i,t} / sg[pi_{i,t}]: value s_i, gradient s_i d log pi_{i,t}."""
+    log_s = sequence_log_ratio(logp, old_logp, mask).detach()                            # [B]
+    log_w = logp - logp.detach() + log_s.unsqueeze(-1)                                   # [B, T]
+    return torch.exp(log_w.clamp(-clamp, clamp))
+
+
+def gspo_token_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None,
+                    old_entropy=None, num_tokens=None, num_seqs=None):
+    """GSPO-token: GSPO's sequence ratio carried to every token, so advantages may differ per token.
+
+        w_{i,t} = sg[s_i] * pi_theta(o_{i,t}) / sg[pi_theta(o_{i,t})]     (value s_i, grad s_i d log pi)
+        J = E[ (1/G) sum_i (1/|o_i|) sum_t min(w_{i,t} A_{i,t}, clip(w_{i,t}, 1-eps_low, 1+eps_high) A_{i,t}) ]
+
+    With A_{i,t} = A_i it equals GSPO in value, clipping decisions and gradient, on- and
+    off-policy. Paper: arXiv 2507.18071 section 4.3. TRL: importance_sampling_level=
+    "sequence_token". verl: loss_mode="gspo" is this form.
+    """
+    logp, old_logp, adv, mask = _prepare(logp, old_logp, advantages, mask, cfg, ref_logp=ref_logp)
+    w = _sequence_ratio_per_token(logp, old_logp, mask, cfg.log_ratio_clamp)            # [B, T]
+    pg_mat, low, high = clipped_surrogate(w, adv, cfg.eps_low, cfg.eps_high)
+    kl_mat = _reference_kl(logp, ref_logp, cfg, "gspo_token")
+    pg_loss = _aggregate(pg_mat, mask, cfg, num_tokens, num_seqs)
+    return _finish(pg_loss, kl_mat, logp, old_logp, w, low, high, mask, cfg, num_tokens, num_seqs, ref_logp)
+
+
+# ---- 3.7 TEPO (Lin et al. 2025/2026, arXiv 2510.09369 v1, 2604.12736 v2, ACL 2026) -- RECONSTRUCTION
+
+def tepo_kl_mask(logp, advantages, mask, cfg, entropy=None, old_entropy=None) -> torch.Tensor:
+    """TEPO's KL mask M_{i,t} = 1[A_i > 0] * 1[entropy at (i,t) is decreasing] on valid tokens.  bool [B, T]
+
+    "Decreasing entropy" is not defined in the public text; two readings (entropy_criterion):
+      cov       Cov_{i,t} > 0: the token's share of Cov(log pi, A) is positive, which by the
+                derivation (section 4) means a policy-gradient step lowers entropy there. With
+                A > 0 this picks positive-advantage tokens more probable than the batch average.
+      measured  H_theta(i,t) < H_old(i,t): the full-vocabulary entropy at that position has fallen
+                since the rollout (needs both entropies).
+    Built from detached tensors only: autograd never differentiates through the mask.
+    """
+    adv = advantages.detach()
+    adv = adv.unsqueeze(-1).expand(mask.shape) if adv.dim() == 1 else adv
+    if cfg.entropy_criterion == "cov":
+        decreasing = token_covariance(logp, adv, mask) > 0
+    else:
+        if entropy is None or old_entropy is None:
+            raise ValueError("entropy: entropy_criterion='measured' needs entropy and old_entropy "
+                             "[B, T]; pass both or choose entropy_criterion='cov'")
+        decreasing = entropy.detach() < old_entropy.detach()
+    return (adv > 0) & decreasing & mask.bool()
+
+
+def tepo_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None, old_entropy=None,
+              num_tokens=None, num_seqs=None):
+    """TEPO (Token-level Policy Optimization) -- a RECONSTRUCTION from the abstracts.
+
+        J = E[ 1/(sum_i |o_i|) sum_i sum_t ( min(w_{i,t} A_i, clip(w_{i,t}, 1-eps_low, 1+eps_high) A_i)
+                                              - beta M_{i,t} D_{i,t} ) ]
+        w_{i,t} = sg[s_i] pi_{i,t} / sg[pi_{i,t}],  s_i = geometric-mean sequence ratio (GSPO-token)
+        M_{i,t} = 1[A_i > 0] * 1[entropy decreasing at (i,t)]   (tepo_kl_mask; no gradient)
+        D_{i,t} = KL estimate of pi_theta against pi_old (kl_target="old") or pi_ref ("ref")
+
+    What is public (arXiv 2510.09369 v1, 2604.12736 v2, ACL 2026): group rewards are linked to
+    tokens through the sequence ("Markov") likelihood with token-level aggregation, and a
+    token-level KL mask constrains tokens with positive advantage and decreasing entropy. What is
+    ours: everything else (ALGORITHMS.md 1.4-1.9). It is GSPO-token's ratio with DAPO's token-mean,
+    plus the masked KL. The switches that cover the ambiguity:
+      ratio_mode        gspo_token (above) | gmpo (clip each token's log-ratio in log space,
+                        sign-aware, then take the geometric mean; GMPO / verl "geo_mean")
+      entropy_criterion cov | measured                 (see tepo_kl_mask)
+      kl_target         old | ref;  kl_estimator abs | k3 | ...;  beta (default 1)
+      kl_mode           soft (+ beta M D) | hard (drop the policy gradient of masked tokens whose
+                        D > kl_tau; beta unused)
+      aggregation       token-mean (default); seq-mean-token-mean gives GSPO + the mask (ablation)
+    Defaults: PAPER_DEFAULTS["tepo"]; eps (3e-4, 4e-4) are GSPO's, since a geometric-mean ratio
+    hardly moves and GRPO's 0.2 would never clip.
+    Does nothing beyond DAPO when on-policy: with kl_target="old", D = 0 and dD = 0 at r = 1, so the
+    mask only acts from the second mini-batch or epoch of a rollout on (metrics: on_policy = 1);
+    there, and with equal-length answers, its gradient equals DAPO's.
+    Metrics add kl_mask/frac (masked / valid tokens) and kl_mask/penalty (mean of M * D).
+    """
+    logp, old_logp, adv, mask = _prepare(logp, old_logp, advantages, mask, cfg, ref_logp=ref_logp,
+                                         entropy=entropy, old_entropy=old_entropy)
+    if cfg.ratio_mode == "gspo_token":
+        w = _sequence_ratio_per_token(logp, old_logp, mask, cfg.log_ratio_clamp)         # [B, T]
+        pg_mat, low, high = clipped_surrogate(w, adv, cfg.eps_low, cfg.eps_high)
+    else:  # gmpo: the clip is applied to each token's log-ratio, in log space, before the mean
+        seq_adv = _sequence_advantages(advantages, "tepo with ratio_mode='gmpo'").detach().to(logp.dtype)
+        sign = torch.sign(seq_adv).unsqueeze(-1)                                         # [B, 1]
+        delta = token_log_ratio(logp, old_logp, mask, cfg.log_ratio_clamp)
+        clipped = delta.clamp(-cfg.eps_low, cfg.eps_high)
+        delta_c = sign * torch.minimum(sign * delta, sign * clipped)                     # [B, T]
+        s = torch.exp(masked_mean(delta_c, mask, dim=-1))                                # [B]
+        pg_mat = (-seq_adv * s).unsqueeze(-1).expand_as(logp)
+        w = s.unsqueeze(-1).expand_as(logp)
+        low = (delta < -cfg.eps_low) & (adv < 0)
+        high = (delta > cfg.eps_high) & (adv > 0)
+
+    kl_mask = tepo_kl_mask(logp, adv, mask, cfg, entropy, old_entropy)                   # [B, T]
+    target = old_logp if cfg.kl_target == "old" else ref_logp
+    if target is None:
+        raise ValueError("ref_logp: tepo with kl_target='ref' needs reference log-probs; pass "
+                         "ref_logp or choose kl_target='old'")
+    D = kl_penalty(logp, target.detach().to(logp.dtype), cfg.kl_estimator)             # [B, T]
+    zero = torch.zeros_like(D)
+    if cfg.kl_mode == "soft":
+        kl_mat = torch.where(kl_mask, D, zero)
+    else:
+        pg_mat = torch.where(kl_mask & (D.detach() > cfg.kl_tau), torch.zeros_like(pg_mat), pg_mat)
+        kl_mat = None
+    extra = {"kl_mask/frac": masked_mean(kl_mask.to(logp.dtype), mask),
+             "kl_mask/penalty": masked_mean(torch.where(kl_mask, D, zero).detach(), mask)}
+    pg_loss = _aggregate(pg_mat, mask, cfg, num_tokens, num_seqs)
+    return _finish(pg_loss, kl_mat, logp, old_logp, w, low, high, mask, cfg, num_tokens, num_seqs,
+                   ref_logp, extra)
+
+
+# ---- 3.8 MPO (Xu et al. 2026, arXiv 2602.14386) -- RECONSTRUCTION ----------------------------------
+
+def mpo_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None, old_entropy=None,
+             num_tokens=None, num_seqs=None):
+    """MPO (Multi-token Policy Gradient Optimization) -- a RECONSTRUCTION from the abstract.
+
+        J = E[ (1/G) sum_i (1/J_i) sum_j min(rho_{i,j} A_i, clip(rho_{i,j}, 1-eps_low, 1+eps_high) A_i) ]
+        rho_{i,j} = prod_{t in block j} r_{i,t}          (block_ratio="joint")
+                  = (prod_{t in block j} r_{i,t})^(1/|block|)   (block_ratio="geomean")
+        blocks: K = block_size consecutive response tokens; J_i = ceil(|o_i| / K); the last block
+        may be shorter.
+
+    What is public (arXiv 2602.14386): one semantic decision spans several tokens, so MPO treats K
+    consecutive tokens as one action and changes only the importance ratio. What is ours: the block
+    construction, the ratio normalisation, the partial last block and the aggregation
+    (ALGORITHMS.md 2.2-2.3). A block is clipped as a unit. Aggregation reads `block_agg`, not
+    `aggregation`, because the unit is a block:
+      seq-mean-block-mean  mean over a sequence's blocks, then over sequences (GRPO-like; honours num_seqs)
+      block-mean           every block in the batch weighs the same (DAPO-like)
+      token-weighted       each block's loss given to each of its tokens, then token-mean
+                           (honours num_tokens)
+    K = 1 is the token-level clipped surrogate (GRPO / DAPO); K >= the longest answer with
+    "geomean" is GSPO. A joint ratio drifts about K times faster than a token ratio: clip eps
+    or the log-ratio clamp may need to shrink with K.
+    On-policy every rho = 1 and nothing is clipped.
+    """
+    logp, old_logp, adv, mask = _prepare(logp, old_logp, advantages, mask, cfg, ref_logp=ref_logp)
+    seq_adv = _sequence_advantages(advantages, "mpo").detach().to(logp.dtype)           # [B]
+    log_rho, n_blk = block_log_ratio(logp, old_logp, mask, cfg.block_size, cfg.block_ratio)  # [B, J]
+    rho = torch.exp(log_rho.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp))
+    blk_adv = seq_adv.unsqueeze(-1).expand_as(rho)
+    blk_loss, blk_low, blk_high = clipped_surrogate(rho, blk_adv, cfg.eps_low, cfg.eps_high)  # [B, J]
+
+    blk = block_index(mask, cfg.block_size)                                             # [B, T]
+    per_token = lambda x: x.gather(1, blk)   # noqa: E731  (a block's value at each of its tokens)
+    if cfg.block_agg == "token-weighted":
+        token_cfg = dataclasses.replace(cfg, aggregation="token-mean")
+        pg_loss = _aggregate(per_token(blk_loss), mask, token_cfg, num_tokens, num_seqs)
+    else:  # blocks play the part of tokens in aggregate_loss
+        token_cfg = dataclasses.replace(cfg, aggregation="token-mean" if cfg.block_agg == "block-mean"
+                                        else "seq-mean-token-mean")
+        pg_loss = _aggregate(blk_loss, n_blk > 0, token_cfg, None, num_seqs)
+    kl_mat = _reference_kl(logp, ref_logp, cfg, "mpo")       # per token, aggregated like the blocks
+    return _finish(pg_loss, kl_mat, logp, old_logp, per_token(rho), per_token(blk_low),
+                   per_token(blk_high), mask, token_cfg, num_tokens, num_seqs, ref_logp)
+
+
+OBJECTIVES = {
+    "ppo": ppo_clip_loss,
+    "grpo": grpo_loss,
+    "dapo": dapo_loss,
+    "dr_grpo": dr_grpo_loss,
+    "clip_cov": clip_cov_loss,
+    "kl_cov": kl_cov_loss,
+    "gspo": gspo_loss,
+    "gspo_token": gspo_token_loss,
+    "tepo": tepo_loss,
+    "mpo": mpo_loss,
+}
+
+
+# =====================================================================================================
+# 4. Entropy mathematics: why policy gradient lowers entropy, step by step
+# =====================================================================================================
+# One state, a softmax policy over actions a (the vocabulary) with logits z:
+#   p_a = exp(z_a) / sum_b exp(z_b),   H(z) = -sum_a p_a log p_a.
+# The result (Cui et al. 2505.22617; TEPO's appendix): a natural-policy-gradient step z <- z + eta A
+# changes the entropy by  -eta Cov_{a~p}(log p_a, A_a)  to first order. Confident actions with
+# positive advantage, and rare actions with negative advantage, lower entropy.
+# All functions take z[..., V] and work on any leading batch shape.
+
+def softmax_entropy(z: torch.Tensor) -> torch.Tensor:
+    """H(softmax(z)), with gradient.                                               [..., V] -> [...]"""
+    logp = torch.log_softmax(z, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def softmax_log_jacobian(z: torch.Tensor) -> torch.Tensor:
+    """Step 2: d log p_a / d z_b = 1[a = b] - p_b.                                [..., V] -> [..., V, V]
+
+    (Row a, column b.) Equivalently d p_a / d z_b = p_a (1[a = b] - p_b).
+    """
+    p = torch.softmax(z, dim=-1)
+    eye = torch.eye(z.shape[-1], dtype=z.dtype, device=z.device)
+    return eye - p.unsqueeze(-2)
+
+
+def entropy_grad_wrt_logits(z: torch.Tensor) -> torch.Tensor:
+    """Steps 1-2: dH/dz_b = -p_b (log p_b - E_p[log p]).                             [..., V] -> [..., V]
+
+    Step 1: dH/dz_b = -sum_a (dp_a/dz_b)(log p_a + 1) = -sum_a (dp_a/dz_b) log p_a, since the
+    probabilities sum to one (sum_a dp_a/dz_b = 0). Step 2 substitutes dp_a/dz_b.
+    Raising the logit of an action more probable than "average" (log p_b > E log p) lowers entropy.
+    """
+    logp = torch.log_softmax(z, dim=-1)
+    p = logp.exp()
+    return -p * (logp - (p * logp).sum(-1, keepdim=True))
+
+
+def fisher_matrix(z: torch.Tensor) -> torch.Tensor:
+    """Step 3: the Fisher information of a softmax in logit space, F = diag(p) - p p^T.   [V] -> [V, V]
+
+    It is the covariance of the score d log p_a / dz, and singular along the all-ones direction
+    (adding a constant to every logit changes nothing).
+    """
+    p = torch.softmax(z, dim=-1)
+    return torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)
+
+
+def policy_gradient_step(z: torch.Tensor, A: torch.Tensor, eta: float) -> torch.Tensor:
+    """Vanilla PG on J = E_p[A]: dJ/dz = p (A - E_p A) = F A, so z <- z + eta p (A - E_p A)."""
+    p = torch.softmax(z, dim=-1)
+    return z + eta * p * (A - (p * A).sum(-1, keepdim=True))
+
+
+def natural_gradient_step(z: torch.Tensor, A: torch.Tensor, eta: float) -> torch.Tensor:
+    """Step 3: NPG, z <- z + eta F^+ dJ/dz. Since dJ/dz = F A, F^+ F A = A - c 1, and the step is
+    z + eta A up to a constant that does not change p. Computed here with the pseudo-inverse so the
+    claim can be checked, not assumed.                                                   [V] -> [V]
+    """
+    F = fisher_matrix(z)
+    grad = (F @ A.unsqueeze(-1)).squeeze(-1)                                # = p (A - E_p A)
+    return z + eta * (torch.linalg.pinv(F) @ grad.unsqueeze(-1)).squeeze(-1)
+
+
+def first_order_entropy_change(z: torch.Tensor, delta_z: torch.Tensor) -> torch.Tensor:
+    """Step 4: H(z + dz) - H(z) ~= <dH/dz, dz> = -Cov_{a~p}(log p_a, dz_a).           [..., V] -> [...]
+
+    Exact as a derivative: d/dt H(z + t u) at t = 0 is -Cov(log p, u). With dz = eta A (NPG) this
+    is -eta Cov(log p, A); with dz = eta p (A - E_p A) (vanilla PG) it is
+    -eta Cov(log p, p (A - E_p A)). Adding a constant to dz changes nothing (a covariance).
+    """
+    logp = torch.log_softmax(z, dim=-1)
+    p = logp.exp()
+    mean_logp = (p * logp).sum(-1, keepdim=True)
+    mean_dz = (p * delta_z).sum(-1, keepdim=True)
+    return -(p * (logp - mean_logp) * (delta_z - mean_dz)).sum(-1)
+
+
+@torch.no_grad()
+def entropy_change_prediction(logits_before: torch.Tensor, logits_after: torch.Tensor,
+                              temperature: float = 1.0, chunk_size: int = 1024):
+    """The derivation checked on real logits: predicted vs measured entropy change per position.
+
+    Given the logits at the same positions before and after an update ([N, V] or [..., V]),
+    returns (predicted, measured), each [...]:
+      predicted = -Cov_{a~p_before}(log p_before, dz),  dz = (z_after - z_before) / temperature
+      measured  = H(p_after) - H(p_before)
+    at the sampling temperature. They agree to first order; their gap is the O(dz^2) term.
+    Chunked over rows so a large vocabulary fits.
+    """
+    if logits_before.shape != logits_after.shape:
+        raise ValueError(f"logits_after: shape {tuple(logits_after.shape)} does not match "
+                         f"logits_before {tuple(logits_before.shape)}")
+    V = logits_before.shape[-1]
+    before, after = logits_before.reshape(-1, V), logits_after.reshape(-1, V)
+    predicted = torch.empty(before.shape[0], dtype=torch.float32, device=before.device)
+    measured = torch.empty_like(predicted)
+    for start in range(0, before.shape[0], chunk_size):
+        z0 = before[start:start + chunk_size].float() / temperature
+        z1 = after[start:start + chunk_size].float() / temperature
+        predicted[start:start + chunk_size] = first_order_entropy_change(z0, z1 - z0)
+        measured[start:start + chunk_size] = softmax_entropy(z1) - softmax_entropy(z0)
+    shape = logits_before.shape[:-1]
+    return predicted.view(shape), measured.view(shape)
+
+
+if __name__ == "__main__":
+    # A 20-second tour: every objective on one random batch, on-policy and after one update.
+    torch.manual_seed(0)
+    B, G, T = 8, 4, 6
+    rewards = torch.tensor([1., 0, 0, 1, 1, 1, 0, 1])
+    adv = group_advantages(rewards, G)
+    mask = torch.ones(B, T)
+    mask[0, 4:] = 0
+    old_logp = -torch.rand(B, T) * 2
+    ref_logp = old_logp + 0.05 * torch.randn(B, T)
+    print(f"rewards {rewards.tolist()}\nadvantages {[round(a, 3) for a in adv.tolist()]}\n")
+    print(f"{'objective':<11} {'on-policy loss':>15} {'|grad|':>8} {'off-policy loss':>16} {'clip':>6}")
+    for name, fn in OBJECTIVES.items():
+        cfg = PAPER_DEFAULTS[name]
+        row = []
+        for shift in (0.0, 0.3):
+            logp = (old_logp + shift * torch.randn(B, T)).requires_grad_(True)
+            loss, m = fn(logp, old_logp, adv, mask, cfg, ref_logp=ref_logp)
+            loss.backward()
+            row.append((loss.item(), logp.grad.norm().item(), m["clip_ratio/region_mean"]))
+        print(f"{name:<11} {row[0][0]:>15.4f} {row[0][1]:>8.4f} {row[1][0]:>16.4f} {row[1][2]:>6.2f}")
+    z = torch.randn(10, dtype=torch.float64)
+    A = torch.log_softmax(z, -1)      # advantage rises with log p: NPG must lower entropy
+    eta = 1e-3
+    print(f"\nNPG step, A = log p: predicted dH {first_order_entropy_change(z, eta * A).item():.3e}, "
+          f"exact {(softmax_entropy(natural_gradient_step(z, A, eta)) - softmax_entropy(z)).item():.3e}")
