@@ -115,6 +115,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     if scale == "batch":
         std = r.std() if r.numel() > 1 else torch.ones((), dtype=r.dtype, device=r.device)
     centred = grouped - mean
+    # exactly 0 for a group of equal rewards (the float mean of equal numbers can be off by an ulp)
+    all_equal = (grouped.amax(1, keepdim=True) == grouped.amin(1, keepdim=True)) & (group_size > 1)
+    centred = torch.where(all_equal, torch.zeros_like(centred), centred)
     adv = centred if scale == "none" else centred / (std + eps)
     return torch.nan_to_num(adv).view(-1)
 
@@ -995,7 +998,7 @@ def entropy_grad_wrt_logits(z: torch.Tensor) -> torch.Tensor:
 
 
 def fisher_matrix(z: torch.Tensor) -> torch.Tensor:
-    """Step 3: the Fisher information of a softmax in logit space, F = diag(p) - p p^T.   [V] -> [V, V]
+    """Step 3: the Fisher information of a softmax in logit space, F = diag(p) - p p^T. [..., V] -> [..., V, V]
 
     It is the covariance of the score d log p_a / dz, and singular along the all-ones direction
     (adding a constant to every logit changes nothing).
@@ -1013,7 +1016,7 @@ def policy_gradient_step(z: torch.Tensor, A: torch.Tensor, eta: float) -> torch.
 def natural_gradient_step(z: torch.Tensor, A: torch.Tensor, eta: float) -> torch.Tensor:
     """Step 3: NPG, z <- z + eta F^+ dJ/dz. Since dJ/dz = F A, F^+ F A = A - c 1, and the step is
     z + eta A up to a constant that does not change p. Computed here with the pseudo-inverse so the
-    claim can be checked, not assumed.                                                   [V] -> [V]
+    claim can be checked, not assumed.                                           [..., V] -> [..., V]
     """
     F = fisher_matrix(z)
     grad = (F @ A.unsqueeze(-1)).squeeze(-1)                                # = p (A - E_p A)
@@ -1044,7 +1047,9 @@ def entropy_change_prediction(logits_before: torch.Tensor, logits_after: torch.T
       predicted = -Cov_{a~p_before}(log p_before, dz),  dz = (z_after - z_before) / temperature
       measured  = H(p_after) - H(p_before)
     at the sampling temperature. They agree to first order; their gap is the O(dz^2) term.
-    Chunked over rows so a large vocabulary fits.
+    Chunked over rows so a large vocabulary fits. Computed in float32 (model logits): changes
+    below ~1e-6 nats are at the rounding level; use first_order_entropy_change in float64 for
+    toy checks.
     """
     if logits_before.shape != logits_after.shape:
         raise ValueError(f"logits_after: shape {tuple(logits_after.shape)} does not match "

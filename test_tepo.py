@@ -1,0 +1,1745 @@
+"""Unit tests for tepo.py.
+
+Every numbered property of ALGORITHMS.md section 9 (1-36) has at least one test
+here, named after what it proves; the property number is given in each docstring.
+The tests also rule out the bugs of ANCHORS.md section 2, check bad-argument
+errors, padding invariance, gradient-accumulation exactness, NaN-freedom and bf16.
+
+Rules followed throughout:
+* float64, gradients by torch.autograd w.r.t. ``logp``;
+* every expected value is computed independently (plain Python loops or a few
+  lines of torch written here), never by calling back into tepo;
+* CPU only, the whole file runs in well under two minutes on 2 cores.
+
+Layout (sections with comment headers):
+  1. helpers (independent references)
+  2. building blocks: advantages, aggregation, KL estimators, log-ratios
+  3. PPO-clip
+  4. GRPO / DAPO / Dr. GRPO
+  5. GSPO / GSPO-token
+  6. TEPO
+  7. MPO
+  8. entropy: logits helpers and the entropy mathematics
+  9. Clip-Cov / KL-Cov
+ 10. cross-method sanity
+ 11. robustness: padding, empty rows, extreme ratios, bf16, metrics (ANCHORS bugs)
+ 12. gradient accumulation
+ 13. bad arguments (ValueError)
+ 14. configuration
+(train_small.py tests go in a later section at the end of this file.)
+"""
+
+import math
+import re
+import statistics
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tepo
+
+F64 = torch.float64
+HYP = settings(max_examples=25, deadline=None,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+# =============================================================================
+# 1. Helpers (independent references: plain Python / a few torch lines)
+# =============================================================================
+
+def assert_close(actual, expected, atol=1e-10, rtol=1e-9, msg=None):
+    actual = actual.detach().to(F64) if torch.is_tensor(actual) else torch.tensor(actual, dtype=F64)
+    expected = expected.detach().to(F64) if torch.is_tensor(expected) else torch.tensor(expected, dtype=F64)
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=msg)
+
+
+def lengths_mask(lengths, T, dtype=F64):
+    L = torch.as_tensor(lengths)
+    return (torch.arange(T)[None, :] < L[:, None]).to(dtype)
+
+
+def make_inputs(B=6, T=7, lengths=None, seed=0, noise=0.0):
+    """Random realistic inputs. ``noise`` is the std of logp - old_logp (0 = on-policy)."""
+    g = torch.Generator().manual_seed(seed)
+    if lengths is None:
+        lengths = torch.randint(1, T + 1, (B,), generator=g).tolist()
+    mask = lengths_mask(lengths, T)
+    logp = -(torch.rand(B, T, generator=g, dtype=F64) * 2.0 + 0.05)
+    old = logp + noise * torch.randn(B, T, generator=g, dtype=F64)
+    adv = torch.randn(B, generator=g, dtype=F64)
+    adv = adv + 0.2 * torch.sign(adv)  # keep |A| away from 0
+    ref = logp + 0.3 * torch.randn(B, T, generator=g, dtype=F64)
+    ent = torch.rand(B, T, generator=g, dtype=F64) * 3.0
+    old_ent = torch.rand(B, T, generator=g, dtype=F64) * 3.0
+    return SimpleNamespace(B=B, T=T, lengths=list(lengths), mask=mask, logp=logp,
+                           old=old, adv=adv, ref=ref, ent=ent, old_ent=old_ent)
+
+
+def cfg(name, **overrides):
+    return tepo.config_for(name, **overrides)
+
+
+def run(name, logp, old, adv, mask, c, **kw):
+    """Call objective ``name``; return (loss value, d loss / d logp, metrics)."""
+    fn = tepo.OBJECTIVES[name] if isinstance(name, str) else name
+    lp = logp.detach().clone().requires_grad_(True)
+    loss, metrics = fn(lp, old, adv, mask, c, **kw)
+    assert loss.dim() == 0
+    grad = None
+    if loss.requires_grad:
+        grad = torch.autograd.grad(loss, lp, allow_unused=True)[0]
+    if grad is None:
+        grad = torch.zeros_like(lp)
+    return loss.detach(), grad, metrics
+
+
+def run_x(name, x, c, old=None, adv=None, **kw):
+    """Run on a make_inputs namespace, passing every optional input."""
+    kw.setdefault("ref_logp", x.ref)
+    kw.setdefault("entropy", x.ent)
+    kw.setdefault("old_entropy", x.old_ent)
+    return run(name, x.logp, x.old if old is None else old,
+               x.adv if adv is None else adv, x.mask, c, **kw)
+
+
+def valid_tokens(mask):
+    B, T = mask.shape
+    return [(i, t) for i in range(B) for t in range(T) if float(mask[i, t]) > 0]
+
+
+def ref_group_adv(rewards, G, scale="group", eps=1e-6):
+    r = [float(v) for v in rewards]
+    all_std = statistics.stdev(r) if len(r) > 1 else 1.0
+    out = []
+    for g0 in range(0, len(r), G):
+        grp = r[g0:g0 + G]
+        if len(grp) == 1:
+            mean, std = 0.0, 1.0
+        else:
+            mean, std = statistics.fmean(grp), statistics.stdev(grp)
+        for v in grp:
+            if scale == "group":
+                out.append((v - mean) / (std + eps))
+            elif scale == "batch":
+                out.append((v - mean) / (all_std + eps))
+            else:
+                out.append(v - mean)
+    return torch.tensor(out, dtype=F64)
+
+
+def ref_cov(logp, adv, mask):
+    """Per-token covariance of ALGORITHMS 6.2 by a plain loop (means over valid tokens)."""
+    B, T = logp.shape
+    A = adv if adv.dim() == 2 else adv[:, None].expand(B, T)
+    vt = valid_tokens(mask)
+    mlp = sum(float(logp[i, t]) for i, t in vt) / len(vt)
+    mA = sum(float(A[i, t]) for i, t in vt) / len(vt)
+    cov = torch.zeros(B, T, dtype=F64)
+    for i, t in vt:
+        cov[i, t] = (float(logp[i, t]) - mlp) * (float(A[i, t]) - mA)
+    return cov
+
+
+def py_entropy(z, T=1.0):
+    """Entropy of softmax(z/T) for a 1-D sequence, plain Python."""
+    zs = [float(v) / T for v in z]
+    m = max(zs)
+    lse = m + math.log(sum(math.exp(v - m) for v in zs))
+    return -sum(math.exp(v - lse) * (v - lse) for v in zs)
+
+
+def t_entropy(z):
+    lp = torch.log_softmax(z, -1)
+    return -(lp.exp() * lp).sum(-1)
+
+
+def cov_p(p, x, y):
+    return (p * x * y).sum() - (p * x).sum() * (p * y).sum()
+
+
+def is_clipped(A, r, el, eh):
+    return (A > 0 and r > 1 + eh) or (A < 0 and r < 1 - el)
+
+
+def all_finite_metrics(metrics):
+    for k, v in metrics.items():
+        assert isinstance(v, float), f"metric {k} is {type(v)}, expected float"
+        assert math.isfinite(v), f"metric {k} = {v}"
+
+
+COMMON_METRICS = ["loss", "pg_loss", "kl_loss", "clip_ratio/low_mean", "clip_ratio/high_mean",
+                  "clip_ratio/region_mean", "ratio/mean", "ratio/min", "ratio/max",
+                  "kl_old/k1", "kl_old/k3", "on_policy"]
+
+# One entry per objective/variant, used by the robustness sweeps.
+SWEEP = [
+    ("ppo", dict(aggregation="token-mean", dual_clip_c=None, beta=0.0)),
+    ("ppo", dict(aggregation="seq-mean-token-sum", dual_clip_c=3.0, beta=0.1, kl_estimator="k3")),
+    ("grpo", dict(beta=0.04, kl_estimator="k3")),
+    ("dr_grpo", dict()),
+    ("dapo", dict()),
+    ("gspo", dict()),
+    ("gspo_token", dict()),
+    ("tepo", dict(beta=1.0, kl_estimator="abs")),
+    ("tepo", dict(beta=1.0, kl_estimator="k3", entropy_criterion="measured")),
+    ("tepo", dict(beta=0.5, kl_target="ref")),
+    ("tepo", dict(beta=1.0, kl_estimator="abs", kl_mode="hard", kl_tau=0.05)),
+    ("tepo", dict(ratio_mode="gmpo")),
+    ("mpo", dict(block_size=3)),
+    ("mpo", dict(block_size=2, block_ratio="geomean")),
+    ("mpo", dict(block_size=3, block_agg="block-mean")),
+    ("mpo", dict(block_size=2, block_agg="token-weighted")),
+    ("clip_cov", dict(eps_low=0.2, eps_high=0.2, clip_cov_ratio=0.2, clip_cov_lb=-100.0,
+                      clip_cov_ub=100.0)),
+    ("kl_cov", dict(kl_cov_ratio=0.2, beta=1.0)),
+]
+SWEEP_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" for n, o in SWEEP]
+
+
+# =============================================================================
+# 2. Building blocks
+# =============================================================================
+
+# ---- 2a. group advantages (property 1) --------------------------------------
+
+@HYP
+@given(n_groups=st.integers(1, 4), G=st.integers(2, 6), seed=st.integers(0, 10_000),
+       identical=st.booleans())
+def test_group_advantages_zero_mean_unit_std_and_match_loop(n_groups, G, seed, identical):
+    """Property 1: per group sum(A)=0, unbiased std(A) = s/(s+eps), equals the loop."""
+    g = torch.Generator().manual_seed(seed)
+    r = torch.randint(0, 3, (n_groups * G,), generator=g).to(F64) + 0.5 * torch.rand(n_groups * G, generator=g, dtype=F64)
+    if identical:
+        r[:G] = 1.0
+    adv = tepo.group_advantages(r, G)
+    assert adv.shape == r.shape
+    assert_close(adv, ref_group_adv(r, G), atol=1e-9)
+    for k in range(n_groups):
+        a, rg = adv[k * G:(k + 1) * G], r[k * G:(k + 1) * G]
+        assert abs(float(a.sum())) < 1e-9
+        s = statistics.stdev(rg.tolist())
+        assert abs(float(a.std()) - s / (s + 1e-6)) < 1e-9
+    if identical:
+        assert torch.all(adv[:G] == 0)
+
+
+@HYP
+@given(seed=st.integers(0, 10_000), a=st.floats(0.1, 10.0), b=st.floats(-5.0, 5.0))
+def test_group_advantages_invariant_to_positive_affine_reward_map(seed, a, b):
+    """Property 1: A(a*r+b) = A(r) for a>0 (exact with eps=0)."""
+    g = torch.Generator().manual_seed(seed)
+    r = torch.randn(12, generator=g, dtype=F64)
+    assert_close(tepo.group_advantages(a * r + b, 4, eps=0.0), tepo.group_advantages(r, 4, eps=0.0),
+                 atol=1e-8, rtol=1e-8)
+
+
+def test_dr_grpo_advantages_equal_normalised_advantages_times_std():
+    """Property 1: Dr. GRPO (scale='none') advantages = std-normalised ones * (std+eps)."""
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.3, 0.9, 0.1, 0.2, 2.0, 2.0, 2.0, 2.0], dtype=F64)
+    a_none = tepo.group_advantages(r, 4, scale="none")
+    a_grp = tepo.group_advantages(r, 4, scale="group")
+    assert_close(a_none, ref_group_adv(r, 4, scale="none"))
+    for k in range(3):
+        s = statistics.stdev(r[4 * k:4 * k + 4].tolist())
+        assert_close(a_none[4 * k:4 * k + 4], a_grp[4 * k:4 * k + 4] * (s + 1e-6), atol=1e-9)
+
+
+def test_group_advantages_batch_scale_uses_group_mean_and_batch_std():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.3, 0.9, 0.1, 0.2], dtype=F64)
+    assert_close(tepo.group_advantages(r, 4, scale="batch"), ref_group_adv(r, 4, scale="batch"))
+
+
+def test_group_advantages_size_one_group_uses_mean_zero_std_one():
+    r = torch.tensor([0.5, -1.0, 2.0], dtype=F64)
+    assert_close(tepo.group_advantages(r, 1), r / (1 + 1e-6))
+
+
+def test_identical_rewards_give_zero_advantage_even_with_inexact_float_mean():
+    """Property 1: rewards [0.1,0.1,0.1] have a float mean != 0.1; advantage must still be ~0."""
+    r = torch.tensor([0.1, 0.1, 0.1, 0.0, 1.0, 0.0], dtype=F64)
+    adv = tepo.group_advantages(r, 3)
+    assert torch.isfinite(adv).all()
+    assert float(adv[:3].abs().max()) < 1e-9
+
+
+# ---- 2b. masked reductions and aggregation (property 2) ---------------------
+
+def test_masked_mean_and_sum_match_loops_and_empty_rows_are_finite_zero():
+    x = make_inputs(B=4, T=5, lengths=[5, 2, 0, 3], seed=1)
+    v = x.logp
+    vt = valid_tokens(x.mask)
+    assert_close(tepo.masked_sum(v, x.mask), sum(float(v[i, t]) for i, t in vt))
+    assert_close(tepo.masked_mean(v, x.mask), sum(float(v[i, t]) for i, t in vt) / len(vt))
+    rows_sum = tepo.masked_sum(v, x.mask, dim=-1)
+    rows_mean = tepo.masked_mean(v, x.mask, dim=-1)
+    for i, L in enumerate(x.lengths):
+        s = sum(float(v[i, t]) for t in range(L))
+        assert_close(rows_sum[i], s)
+        assert_close(rows_mean[i], s / L if L else 0.0)
+    assert torch.isfinite(rows_mean).all()
+
+
+def ref_aggregate(l, mask, mode, num_tokens=None, num_seqs=None, C=None):
+    B, T = l.shape
+    rows = [[float(l[i, t]) for t in range(T) if mask[i, t] > 0] for i in range(B)]
+    total = sum(sum(r) for r in rows)
+    nonempty = [r for r in rows if r]
+    if mode == "token-mean":
+        return total / (num_tokens if num_tokens is not None else sum(len(r) for r in rows))
+    n = num_seqs if num_seqs is not None else len(nonempty)
+    if mode == "seq-mean-token-mean":
+        return sum(sum(r) / len(r) for r in nonempty) / n
+    if mode == "seq-mean-token-sum":
+        return sum(sum(r) for r in nonempty) / n
+    if mode == "seq-mean-token-sum-norm":  # paper form: divide by B * C (C defaults to T)
+        n = num_seqs if num_seqs is not None else B
+        return total / (n * (C if C is not None else T))
+    raise AssertionError(mode)
+
+
+MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+
+
+@pytest.mark.parametrize("mode", MODES[:3])
+def test_aggregate_loss_matches_loop_and_skips_empty_sequences(mode):
+    """0.3: each mode equals its formula; empty rows excluded from B' for seq-mean modes."""
+    x = make_inputs(B=5, T=6, lengths=[6, 1, 0, 4, 3], seed=2)
+    l = torch.randn(5, 6, generator=torch.Generator().manual_seed(3), dtype=F64)
+    assert_close(tepo.aggregate_loss(l, x.mask, mode), ref_aggregate(l, x.mask, mode))
+    assert_close(tepo.aggregate_loss(l, x.mask, mode, num_tokens=40.0, num_seqs=9.0),
+                 ref_aggregate(l, x.mask, mode, num_tokens=40.0, num_seqs=9.0))
+
+
+def test_aggregate_loss_seq_mean_token_sum_norm_divides_by_num_seqs_times_constant():
+    """0.3 / property 8: seq-mean-token-sum-norm = sum / (B * C), C = T by default."""
+    x = make_inputs(B=4, T=6, lengths=[6, 1, 4, 3], seed=2)
+    l = torch.randn(4, 6, generator=torch.Generator().manual_seed(3), dtype=F64)
+    m = "seq-mean-token-sum-norm"
+    assert_close(tepo.aggregate_loss(l, x.mask, m), ref_aggregate(l, x.mask, m))
+    assert_close(tepo.aggregate_loss(l, x.mask, m, norm_constant=16.0),
+                 ref_aggregate(l, x.mask, m, C=16.0))
+    assert_close(tepo.aggregate_loss(l, x.mask, m, num_seqs=10.0, norm_constant=16.0),
+                 ref_aggregate(l, x.mask, m, num_seqs=10.0, C=16.0))
+
+
+@HYP
+@given(B=st.integers(1, 6), T=st.integers(1, 8), data=st.data(), seed=st.integers(0, 10_000))
+def test_aggregation_identities_at_equal_lengths(B, T, data, seed):
+    """Property 2: equal lengths L -> token-mean = seq-mean-token-mean, token-sum = L*token-mean."""
+    L = data.draw(st.integers(1, T))
+    mask = lengths_mask([L] * B, T)
+    l = torch.randn(B, T, generator=torch.Generator().manual_seed(seed), dtype=F64)
+    tm = tepo.aggregate_loss(l, mask, "token-mean")
+    assert_close(tepo.aggregate_loss(l, mask, "seq-mean-token-mean"), tm)
+    assert_close(tepo.aggregate_loss(l, mask, "seq-mean-token-sum"), L * tm)
+
+
+@HYP
+@given(B=st.integers(1, 5), T=st.integers(1, 7), seed=st.integers(0, 10_000),
+       mode=st.sampled_from(MODES))
+def test_aggregate_loss_padding_changes_neither_value_nor_gradient(B, T, seed, mode):
+    """Property 2: entries where mask=0 never affect value or gradient."""
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(B, T, generator=g) < 0.6).to(F64)
+    mask[0, 0] = 1.0
+    l = torch.randn(B, T, generator=g, dtype=F64)
+    pert = l + (1 - mask) * 1e4 * torch.randn(B, T, generator=g, dtype=F64)
+    a = l.clone().requires_grad_(True)
+    b = pert.clone().requires_grad_(True)
+    va, vb = tepo.aggregate_loss(a, mask, mode), tepo.aggregate_loss(b, mask, mode)
+    ga, = torch.autograd.grad(va, a)
+    gb, = torch.autograd.grad(vb, b)
+    assert_close(va, vb, atol=1e-12)
+    assert_close(ga, gb, atol=1e-14)
+    assert torch.all(ga[mask == 0] == 0)
+
+
+# ---- 2c. KL estimators (property 3) ------------------------------------------
+
+def test_kl_estimators_closed_forms():
+    """0.4: k1 = x, abs = |x|, k2 = x^2/2, k3 = e^-x + x - 1 (x = logp - ref); k3 is clamped
+    to [-10, 10] as in verl (documented), so x = -3 gives 10, not e^3 - 4 = 16.09."""
+    x = torch.tensor([[-2.0, -0.5, 0.0, 0.7, 2.0, 30.0]], dtype=F64)
+    ref = torch.zeros_like(x) - 1.0
+    logp = ref + x
+    assert_close(tepo.kl_penalty(logp, ref, "k1"), x)
+    assert_close(tepo.kl_penalty(logp, ref, "abs"), x.abs())
+    assert_close(tepo.kl_penalty(logp, ref, "k2"), 0.5 * x ** 2)
+    exp_k3 = torch.tensor([[math.exp(-v) + v - 1 for v in x[0].tolist()]], dtype=F64).clamp(max=10.0)
+    assert_close(tepo.kl_penalty(logp, ref, "k3"), exp_k3)
+    assert_close(tepo.kl_penalty(ref - 3.0, ref, "k3"), torch.full_like(ref, 10.0))
+
+
+def test_k1_and_k3_expectations_equal_exact_categorical_kl():
+    """Property 3: E_pi[k1] = E_pi[k3] = KL(pi || pi_ref) summed exactly over the support."""
+    g = torch.Generator().manual_seed(4)
+    lp = torch.log_softmax(torch.randn(1, 9, generator=g, dtype=F64) * 0.8, -1)
+    lr = torch.log_softmax(torch.randn(1, 9, generator=g, dtype=F64) * 0.8, -1)
+    assert float((lp - lr).min()) > -2.3  # stay inside k3's documented clamp (k3 <= 10)
+    p = lp.exp()
+    kl = sum(float(p[0, a]) * (float(lp[0, a]) - float(lr[0, a])) for a in range(9))
+    assert kl > 0.05
+    assert_close((p * tepo.kl_penalty(lp, lr, "k1")).sum(), kl)
+    assert_close((p * tepo.kl_penalty(lp, lr, "k3")).sum(), kl)
+
+
+@HYP
+@given(seed=st.integers(0, 10_000))
+def test_k3_is_nonnegative_and_zero_with_zero_gradient_at_reference(seed):
+    """Property 3: k3 >= 0; k3 = 0 and d k3/d logp = 0 where logp = ref_logp."""
+    g = torch.Generator().manual_seed(seed)
+    ref = -torch.rand(3, 5, generator=g, dtype=F64) * 4
+    logp = ref + 3 * torch.randn(3, 5, generator=g, dtype=F64)
+    assert (tepo.kl_penalty(logp, ref, "k3") >= 0).all()
+    lp = ref.clone().requires_grad_(True)
+    k = tepo.kl_penalty(lp, ref, "k3")
+    gr, = torch.autograd.grad(k.sum(), lp)
+    assert torch.all(k == 0) and torch.all(gr == 0)
+
+
+@pytest.mark.parametrize("est,base", [("k1+", "k1"), ("k3+", "k3")])
+def test_straight_through_kl_has_base_value_and_k2_gradient(est, base):
+    """Property 3: k3+ (k1+) has the value of k3 (k1) and the gradient of k2 (= x)."""
+    g = torch.Generator().manual_seed(5)
+    ref = -torch.rand(2, 4, generator=g, dtype=F64)
+    x = torch.randn(2, 4, generator=g, dtype=F64)
+    lp = (ref + x).clone().requires_grad_(True)
+    k = tepo.kl_penalty(lp, ref, est)
+    base_val = x if base == "k1" else torch.exp(-x) + x - 1
+    assert_close(k, base_val)
+    gr, = torch.autograd.grad(k.sum(), lp)
+    assert_close(gr, x)
+
+
+# ---- 2d. log-ratios ------------------------------------------------------------
+
+def test_token_log_ratio_zero_at_padding_and_clamped():
+    mask = lengths_mask([3, 2], 4)
+    old = torch.full((2, 4), -1.0, dtype=F64)
+    logp = old + torch.tensor([[0.3, 50.0, -50.0, 7.0], [-0.2, 0.1, 9.0, 9.0]], dtype=F64)
+    d = tepo.token_log_ratio(logp, old, mask, clamp=20.0)
+    assert_close(d, torch.tensor([[0.3, 20.0, -20.0, 0.0], [-0.2, 0.1, 0.0, 0.0]], dtype=F64))
+
+
+@HYP
+@given(L=st.integers(1, 12), c=st.floats(0.2, 5.0), T_extra=st.integers(0, 3))
+def test_sequence_ratio_equals_common_token_ratio_whatever_the_length(L, c, T_extra):
+    """Property 13: every token ratio = c -> s_i = c for any length (product would be c**L)."""
+    T = L + T_extra
+    mask = lengths_mask([L], T)
+    old = -torch.rand(1, T, generator=torch.Generator().manual_seed(L), dtype=F64)
+    logp = old + math.log(c)
+    s = tepo.sequence_log_ratio(logp, old, mask).exp()
+    assert_close(s, torch.tensor([c], dtype=F64))
+
+
+def test_sequence_log_ratio_is_masked_mean_and_zero_for_empty_rows():
+    x = make_inputs(B=3, T=5, lengths=[5, 2, 0], seed=6, noise=0.4)
+    got = tepo.sequence_log_ratio(x.logp, x.old, x.mask)
+    exp = [sum(float(x.logp[i, t] - x.old[i, t]) for t in range(L)) / L if L else 0.0
+           for i, L in enumerate(x.lengths)]
+    assert_close(got, torch.tensor(exp, dtype=F64))
+
+
+# ---- 2e. data-side DAPO helpers (properties 9, 10) ----------------------------
+
+def test_soft_overlong_punishment_paper_values_and_monotone():
+    """Property 9: R_len(16384)=0, R_len(18432)=-0.5, R_len(20480)=-1, R_len(20481)=-1, monotone."""
+    lengths = torch.tensor([0, 16384, 17000, 18432, 20480, 20481, 30000])
+    got = tepo.soft_overlong_punishment(lengths, 20480, 4096)
+    exp = [0.0, 0.0, (16384 - 17000) / 4096, -0.5, -1.0, -1.0, -1.0]
+    assert_close(got, torch.tensor(exp, dtype=F64), atol=1e-7)
+    grid = tepo.soft_overlong_punishment(torch.arange(0, 21000, 7), 20480, 4096)
+    assert torch.all(grid[1:] <= grid[:-1])
+
+
+def test_dynamic_sampling_keeps_exactly_groups_with_nonzero_reward_std():
+    """Property 10: rows of zero-std groups (all right / all wrong) are removed, others kept."""
+    r = torch.tensor([1, 1, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0.5, 0.5, 0.25, 0.5], dtype=F64)
+    keep = tepo.dynamic_sampling_mask(r, 4)
+    assert keep.dtype == torch.bool
+    assert keep.tolist() == [False] * 4 + [True] * 4 + [False] * 4 + [True] * 4
+
+
+def test_dynamic_sampling_removes_identical_float_rewards_with_inexact_std():
+    """Property 10: [0.1, 0.1, 0.1] is a zero-std group even though torch.std gives ~1.7e-17."""
+    r = torch.tensor([0.1, 0.1, 0.1, 0.0, 1.0, 0.0], dtype=F64)
+    assert tepo.dynamic_sampling_mask(r, 3).tolist() == [False] * 3 + [True] * 3
+
+
+# =============================================================================
+# 3. PPO-clip (properties 4, 5; ANCHORS bug 2)
+# =============================================================================
+
+@pytest.mark.parametrize("el,eh", [(0.0, 0.0), (0.1, 0.1), (0.2, 0.28), (1.0, 10.0)])
+def test_ppo_gradient_at_ratio_one_is_minus_advantage_over_token_count_for_any_eps(el, eh):
+    """Property 4: at ratio 1 the per-token gradient is -A / N (token-mean), for any eps."""
+    x = make_inputs(B=5, T=6, seed=7)
+    c = cfg("ppo", eps_low=el, eps_high=eh, dual_clip_c=3.0, beta=0.0, aggregation="token-mean")
+    loss, g, _ = run("ppo", x.logp, x.logp.clone(), x.adv, x.mask, c)
+    N = float(x.mask.sum())
+    exp = torch.zeros(5, 6, dtype=F64)
+    for i, t in valid_tokens(x.mask):
+        exp[i, t] = -float(x.adv[i]) / N
+    assert_close(g, exp)
+    assert_close(loss, -sum(float(x.adv[i]) for i, t in valid_tokens(x.mask)) / N)
+
+
+def test_ppo_on_policy_parameter_gradient_is_exactly_A_grad_logpi_without_factor_two():
+    """ANCHORS bug 2: on-policy, d loss/d logits = -(A/N) (onehot - softmax), no factor 2."""
+    g = torch.Generator().manual_seed(8)
+    B, T, V = 3, 4, 5
+    theta = torch.randn(B, T, V, generator=g, dtype=F64, requires_grad=True)
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    mask = lengths_mask([4, 2, 3], T)
+    adv = torch.tensor([1.3, -0.7, 0.4], dtype=F64)
+    logp = torch.log_softmax(theta, -1).gather(-1, tokens[..., None])[..., 0]
+    c = cfg("ppo", eps_low=0.2, eps_high=0.2, beta=0.0, aggregation="token-mean")
+    loss, _ = tepo.ppo_clip_loss(logp, logp.detach(), adv, mask, c)
+    gth, = torch.autograd.grad(loss, theta)
+    p = torch.softmax(theta.detach(), -1)
+    N = float(mask.sum())
+    exp = torch.zeros(B, T, V, dtype=F64)
+    for i, t in valid_tokens(mask):
+        for v in range(V):
+            exp[i, t, v] = -float(adv[i]) / N * ((1.0 if v == tokens[i, t] else 0.0) - float(p[i, t, v]))
+    assert_close(gth, exp)
+
+
+def test_ppo_off_policy_gradient_is_zero_exactly_in_the_clipped_regions():
+    """Property 5: A>0 & r>1+eh or A<0 & r<1-el -> zero gradient; elsewhere -A r / N."""
+    x = make_inputs(B=6, T=8, seed=9, noise=0.35)
+    el, eh = 0.2, 0.28
+    c = cfg("ppo", eps_low=el, eps_high=eh, dual_clip_c=None, beta=0.0, aggregation="token-mean")
+    _, g, _ = run("ppo", x.logp, x.old, x.adv, x.mask, c)
+    N = float(x.mask.sum())
+    exp = torch.zeros_like(g)
+    n_clip = 0
+    for i, t in valid_tokens(x.mask):
+        A, r = float(x.adv[i]), math.exp(float(x.logp[i, t] - x.old[i, t]))
+        if is_clipped(A, r, el, eh):
+            n_clip += 1
+        else:
+            exp[i, t] = -A * r / N
+    assert 0 < n_clip < len(valid_tokens(x.mask))
+    assert_close(g, exp)
+
+
+def test_ppo_dual_clip_bounds_negative_advantage_loss_by_c_with_zero_gradient():
+    """Property 5: dual-clip, A<0 and r>c -> loss = -A c and zero gradient."""
+    c = cfg("ppo", eps_low=0.2, eps_high=0.2, dual_clip_c=3.0, beta=0.0, aggregation="token-mean")
+    mask = torch.ones(1, 1, dtype=F64)
+    old = torch.full((1, 1), -2.0, dtype=F64)
+    A = torch.tensor([-0.5], dtype=F64)
+    loss, g, _ = run("ppo", old + 2.0, old, A, mask, c)  # r = e^2 = 7.39 > 3
+    assert_close(loss, 0.5 * 3.0)
+    assert float(g.abs().max()) == 0.0
+    loss, g, _ = run("ppo", old + math.log(2.0), old, A, mask, c)  # 1.2 < r = 2 < 3: unclipped
+    assert_close(loss, 0.5 * 2.0)
+    assert_close(g, torch.tensor([[0.5 * 2.0]], dtype=F64))
+
+
+def test_ppo_clip_ratio_and_ratio_metrics_count_valid_tokens_only():
+    """TRL metric definitions: low = r<1-el & A<0, high = r>1+eh & A>0, region = either."""
+    mask = lengths_mask([4, 4], 6)
+    old = torch.full((2, 6), -1.0, dtype=F64)
+    r = torch.tensor([[1.5, 0.5, 1.0, 1.1, 9.0, 0.01], [0.5, 1.5, 0.7, 1.0, 9.0, 0.01]], dtype=F64)
+    adv = torch.tensor([1.0, -1.0], dtype=F64)
+    c = cfg("ppo", eps_low=0.2, eps_high=0.2, dual_clip_c=None, beta=0.0, aggregation="token-mean")
+    _, _, m = run("ppo", old + r.log(), old, adv, mask, c)
+    # row0 (A>0): 1.5 high-clipped; row1 (A<0): 0.5 and 0.7 low-clipped
+    assert_close(m["clip_ratio/high_mean"], 1 / 8)
+    assert_close(m["clip_ratio/low_mean"], 2 / 8)
+    assert_close(m["clip_ratio/region_mean"], 3 / 8)
+    assert_close(m["ratio/max"], 1.5)
+    assert_close(m["ratio/min"], 0.5)
+    assert_close(m["ratio/mean"], (1.5 + 0.5 + 1.0 + 1.1 + 0.5 + 1.5 + 0.7 + 1.0) / 8)
+
+
+# =============================================================================
+# 4. GRPO / DAPO / Dr. GRPO (properties 6, 7, 8, 11)
+# =============================================================================
+
+def test_grpo_gradient_at_ratio_one_is_minus_advantage_over_group_size_and_length():
+    """Property 6: grad = -(1/G) A_i / |o_i| for every valid token (beta=0)."""
+    x = make_inputs(B=6, T=7, lengths=[7, 1, 3, 5, 2, 6], seed=10)
+    c = cfg("grpo", aggregation="seq-mean-token-mean", beta=0.0, dual_clip_c=None)
+    _, g, _ = run("grpo", x.logp, x.logp.clone(), x.adv, x.mask, c)
+    exp = torch.zeros_like(g)
+    for i, t in valid_tokens(x.mask):
+        exp[i, t] = -float(x.adv[i]) / (6 * x.lengths[i])
+    assert_close(g, exp)
+
+
+def test_dapo_gradient_at_ratio_one_is_global_token_mean_and_equals_grpo_at_equal_lengths():
+    """Property 7: grad = -A_i / sum|o|; equal lengths -> identical to GRPO."""
+    x = make_inputs(B=6, T=7, lengths=[7, 1, 3, 5, 2, 6], seed=11)
+    c = cfg("dapo", aggregation="token-mean", beta=0.0)
+    _, g, _ = run("dapo", x.logp, x.logp.clone(), x.adv, x.mask, c)
+    N = sum(x.lengths)
+    exp = torch.zeros_like(g)
+    for i, t in valid_tokens(x.mask):
+        exp[i, t] = -float(x.adv[i]) / N
+    assert_close(g, exp)
+    y = make_inputs(B=4, T=6, lengths=[4] * 4, seed=12, noise=0.2)
+    cg = cfg("grpo", aggregation="seq-mean-token-mean", beta=0.0, eps_low=0.2, eps_high=0.28,
+             dual_clip_c=None)
+    cd = cfg("dapo", aggregation="token-mean", beta=0.0, eps_low=0.2, eps_high=0.28, dual_clip_c=None)
+    lg, gg, _ = run("grpo", y.logp, y.old, y.adv, y.mask, cg)
+    ld, gd, _ = run("dapo", y.logp, y.old, y.adv, y.mask, cd)
+    assert_close(ld, lg)
+    assert_close(gd, gg)
+
+
+@pytest.mark.parametrize("C", [None, 16.0])
+def test_dr_grpo_gradient_at_ratio_one_is_length_independent(C):
+    """Property 8: grad = -A~_i / (G L), L = norm_constant (default T), independent of |o_i|."""
+    x = make_inputs(B=4, T=7, lengths=[7, 1, 3, 5], seed=13)
+    c = cfg("dr_grpo", aggregation="seq-mean-token-sum-norm", norm_constant=C, beta=0.0)
+    _, g, _ = run("dr_grpo", x.logp, x.logp.clone(), x.adv, x.mask, c)
+    L = 7 if C is None else C
+    exp = torch.zeros_like(g)
+    for i, t in valid_tokens(x.mask):
+        exp[i, t] = -float(x.adv[i]) / (4 * L)
+    assert_close(g, exp)
+
+
+def test_grpo_kl_term_has_zero_value_and_gradient_when_policy_equals_reference():
+    """Property 11: beta>0, k3, pi_theta = pi_ref -> KL value 0, gradient unchanged."""
+    x = make_inputs(B=4, T=6, seed=14, noise=0.2)
+    c0 = cfg("grpo", aggregation="seq-mean-token-mean", beta=0.0, dual_clip_c=None)
+    c1 = cfg("grpo", aggregation="seq-mean-token-mean", beta=0.04, kl_estimator="k3", dual_clip_c=None)
+    l0, g0, _ = run("grpo", x.logp, x.old, x.adv, x.mask, c0)
+    l1, g1, m1 = run("grpo", x.logp, x.old, x.adv, x.mask, c1, ref_logp=x.logp.clone())
+    assert_close(l1, l0)
+    assert_close(g1, g0)
+    assert m1["kl_loss"] == 0.0
+
+
+def test_grpo_k3_kl_term_gradient_and_metrics_match_closed_form():
+    """GRPO loss = pg + beta * agg(k3): grad adds beta (1 - e^{-x}) / (G L), x = logp - ref."""
+    x = make_inputs(B=4, T=6, lengths=[4] * 4, seed=15)
+    beta = 0.3
+    c = cfg("grpo", aggregation="seq-mean-token-mean", beta=beta, kl_estimator="k3", dual_clip_c=None)
+    loss, g, m = run("grpo", x.logp, x.logp.clone(), x.adv, x.mask, c, ref_logp=x.ref)
+    exp = torch.zeros_like(g)
+    k3 = []
+    for i, t in valid_tokens(x.mask):
+        d = float(x.logp[i, t] - x.ref[i, t])
+        exp[i, t] = (-float(x.adv[i]) + beta * (1 - math.exp(-d))) / (4 * 4)
+        k3.append(math.exp(-d) + d - 1)
+    assert_close(g, exp)
+    assert_close(m["kl_ref"], sum(k3) / len(k3))
+    assert_close(m["kl_loss"], sum(k3) / len(k3))  # logged raw: loss = pg_loss + beta * kl_loss
+    pg = -sum(float(x.adv[i]) for i, t in valid_tokens(x.mask)) / 16
+    assert_close(loss, pg + beta * sum(k3) / len(k3))
+
+
+# =============================================================================
+# 5. GSPO / GSPO-token (properties 12-16)
+# =============================================================================
+
+def gspo_expected_grad(x, el, eh, adv=None):
+    """Closed form: -(1/B) A_i s_i / |o_i| for unclipped sequences, 0 for clipped ones."""
+    adv = x.adv if adv is None else adv
+    B = x.B
+    exp = torch.zeros(x.B, x.T, dtype=F64)
+    clipped = []
+    for i in range(B):
+        L = x.lengths[i]
+        s = math.exp(sum(float(x.logp[i, t] - x.old[i, t]) for t in range(L)) / L)
+        A = float(adv[i])
+        clipped.append(is_clipped(A, s, el, eh))
+        if not clipped[-1]:
+            for t in range(L):
+                exp[i, t] = -A * s / (B * L)
+    return exp, clipped
+
+
+def test_gspo_gradient_equals_grpo_gradient_at_ratio_one():
+    """Property 12: s_i = 1 and GSPO grad = GRPO grad = -(1/G) A_i/|o_i| at ratio 1."""
+    x = make_inputs(B=6, T=7, lengths=[7, 1, 3, 5, 2, 6], seed=16)
+    cs = cfg("gspo", aggregation="seq-mean-token-mean", beta=0.0)
+    cg = cfg("grpo", aggregation="seq-mean-token-mean", beta=0.0, dual_clip_c=None)
+    _, gs, ms = run("gspo", x.logp, x.logp.clone(), x.adv, x.mask, cs)
+    _, gg, _ = run("grpo", x.logp, x.logp.clone(), x.adv, x.mask, cg)
+    exp = torch.zeros_like(gs)
+    for i, t in valid_tokens(x.mask):
+        exp[i, t] = -float(x.adv[i]) / (6 * x.lengths[i])
+    assert_close(gs, exp)
+    assert_close(gs, gg)
+    assert ms["ratio/mean"] == 1.0 and ms["ratio/min"] == 1.0 and ms["ratio/max"] == 1.0
+
+
+@HYP
+@given(B=st.integers(1, 6), T=st.integers(1, 8), seed=st.integers(0, 10_000),
+       eps=st.sampled_from([(3e-4, 4e-4), (0.05, 0.05), (0.2, 0.28)]))
+def test_gspo_token_equals_gspo_off_policy_value_and_gradient(B, T, seed, eps):
+    """Property 14: GSPO-token with A_{i,t}=A_i equals sequence GSPO (value, grad) off-policy."""
+    x = make_inputs(B=B, T=T, seed=seed, noise=0.15)
+    kw = dict(eps_low=eps[0], eps_high=eps[1], beta=0.0, aggregation="seq-mean-token-mean")
+    ls, gs, _ = run("gspo", x.logp, x.old, x.adv, x.mask, cfg("gspo", **kw))
+    adv_t = x.adv[:, None] * x.mask
+    lt, gt, _ = run("gspo_token", x.logp, x.old, adv_t, x.mask, cfg("gspo_token", **kw))
+    assert_close(lt, ls)
+    assert_close(gt, gs)
+    exp, _ = gspo_expected_grad(x, *eps)
+    assert_close(gs, exp)
+
+
+@pytest.mark.parametrize("name", ["gspo", "gspo_token", "tepo"])
+def test_sequence_clipping_zeroes_every_token_of_a_clipped_sequence(name):
+    """Property 15: s_i > 1+eh with A_i > 0 -> all its tokens get zero gradient,
+    including a token whose own ratio (=1) is inside the band."""
+    el, eh = 3e-4, 4e-4
+    mask = lengths_mask([3, 3], 3)
+    old = torch.full((2, 3), -1.0, dtype=F64)
+    delta = torch.tensor([[0.01, 0.0, -0.001], [0.0, 0.0, 0.0]], dtype=F64)
+    adv = torch.tensor([1.0, 1.0], dtype=F64)
+    c = cfg(name, eps_low=el, eps_high=eh, beta=0.0,
+            aggregation="token-mean" if name == "tepo" else "seq-mean-token-mean")
+    _, g, _ = run(name, old + delta, old, adv, mask, c)
+    assert torch.all(g[0] == 0)
+    assert torch.all(g[1] < 0)
+
+
+def test_gspo_token_form_gradient_matches_closed_form_and_verl_style_reference():
+    """Property 16: logw = logp - sg(logp) + sg(L) with seq-mean-token-mean gives
+    grad = (1/B) s_i A_i / |o_i| (unclipped region) -- reference written here, then tepo."""
+    x = make_inputs(B=5, T=6, lengths=[6, 2, 4, 1, 5], seed=17, noise=0.3)
+    lp = x.logp.clone().requires_grad_(True)
+    delta = (lp - x.old) * x.mask
+    L = delta.sum(-1) / x.mask.sum(-1)
+    w = torch.exp(lp - lp.detach() + L.detach()[:, None])
+    A = x.adv[:, None]
+    tok = -torch.minimum(w * A, w.clamp(1 - 0.99, 1 + 100.0) * A)
+    ref_loss = ((tok * x.mask).sum(-1) / x.mask.sum(-1)).mean()
+    g_ref, = torch.autograd.grad(ref_loss, lp)
+    exp, clipped = gspo_expected_grad(x, 0.99, 100.0)
+    assert not any(clipped)
+    assert_close(g_ref, exp)
+    c = cfg("gspo_token", eps_low=0.99, eps_high=100.0, beta=0.0, aggregation="seq-mean-token-mean",
+            log_ratio_clamp=20.0)
+    loss, g, _ = run("gspo_token", x.logp, x.old, x.adv, x.mask, c)
+    assert_close(g, exp)
+    assert_close(loss, ref_loss)
+
+
+# =============================================================================
+# 6. TEPO (properties 17-23)
+# =============================================================================
+
+def tepo_cfg(**kw):
+    base = dict(aggregation="token-mean", eps_low=0.2, eps_high=0.2, ratio_mode="gspo_token",
+                entropy_criterion="cov", kl_target="old", kl_mode="soft", kl_estimator="abs", beta=0.0)
+    base.update(kw)
+    return cfg("tepo", **base)
+
+
+@pytest.mark.parametrize("extra", [dict(beta=1.0, kl_estimator="abs"), dict(beta=1.0, kl_estimator="k3"),
+                                   dict(beta=0.0), dict(beta=1.0, kl_mode="hard", kl_tau=0.01),
+                                   dict(beta=1.0, entropy_criterion="measured")])
+def test_tepo_gradient_at_ratio_one_equals_dapo_gradient(extra):
+    """Properties 17, 21: at ratio 1 (KL to old: value 0, grad 0; hard mask inactive)
+    TEPO grad = DAPO grad = -A_i / sum|o|, and the KL penalty metric is 0."""
+    x = make_inputs(B=6, T=7, lengths=[7, 1, 3, 5, 2, 6], seed=18)
+    c = tepo_cfg(eps_low=3e-4, eps_high=4e-4, **extra)
+    loss, g, m = run_x("tepo", x, c, old=x.logp.clone())
+    N = sum(x.lengths)
+    exp = torch.zeros_like(g)
+    for i, t in valid_tokens(x.mask):
+        exp[i, t] = -float(x.adv[i]) / N
+    assert_close(g, exp)
+    assert_close(loss, -sum(float(x.adv[i]) for i, t in valid_tokens(x.mask)) / N)
+    assert m["kl_mask/penalty"] == 0.0
+    _, gd, _ = run("dapo", x.logp, x.logp.clone(), x.adv, x.mask,
+                   cfg("dapo", aggregation="token-mean", beta=0.0))
+    assert_close(g, gd)
+
+
+def test_tepo_equals_sequence_ratio_form_under_token_mean():
+    """Property 18: putting s_i itself (grad through s_i) on every token gives identical
+    value and gradient to the GSPO-token form, under token-mean (off-policy, with clipping)."""
+    x = make_inputs(B=6, T=7, seed=19, noise=0.25)
+    el, eh = 0.05, 0.05
+    lp = x.logp.clone().requires_grad_(True)
+    s = torch.exp(((lp - x.old) * x.mask).sum(-1) / x.mask.sum(-1))[:, None]
+    A = x.adv[:, None]
+    tok = -torch.minimum(s * A, s.clamp(1 - el, 1 + eh) * A)
+    ref_loss = (tok * x.mask).sum() / x.mask.sum()
+    g_ref, = torch.autograd.grad(ref_loss, lp)
+    loss, g, _ = run_x("tepo", x, tepo_cfg(eps_low=el, eps_high=eh))
+    assert_close(loss, ref_loss)
+    assert_close(g, g_ref)
+    assert (g_ref == 0).any() and (g_ref != 0).any()  # both clipped and unclipped sequences
+
+
+def tepo_expected_mask(x, criterion="cov"):
+    cov = ref_cov(x.logp, x.adv, x.mask)
+    M = torch.zeros(x.B, x.T, dtype=F64)
+    for i, t in valid_tokens(x.mask):
+        dec = cov[i, t] > 0 if criterion == "cov" else x.ent[i, t] < x.old_ent[i, t]
+        if float(x.adv[i]) > 0 and dec:
+            M[i, t] = 1.0
+    return M
+
+
+@pytest.mark.parametrize("criterion", ["cov", "measured"])
+def test_tepo_abs_penalty_gradient_is_beta_sign_delta_over_token_count_on_masked_tokens(criterion):
+    """Properties 19, 22: off-policy, abs estimator: grad(beta) - grad(0) = beta M sign(delta)/N,
+    where M = [A>0] [entropy decreasing] [valid]; no other token is touched."""
+    x = make_inputs(B=6, T=7, seed=20, noise=0.3)
+    beta = 0.7
+    _, g0, _ = run_x("tepo", x, tepo_cfg(entropy_criterion=criterion, beta=0.0))
+    _, g1, m1 = run_x("tepo", x, tepo_cfg(entropy_criterion=criterion, beta=beta))
+    M = tepo_expected_mask(x, criterion)
+    N = float(x.mask.sum())
+    assert 0 < M.sum() < N
+    exp = beta * M * torch.sign(x.logp - x.old) / N
+    assert_close(g1 - g0, exp)
+    assert_close(m1["kl_mask/frac"], float(M.sum()) / N)
+    assert_close(m1["kl_mask/penalty"], float((M * (x.logp - x.old).abs()).sum()) / N)
+
+
+def test_tepo_k3_penalty_gradient_is_beta_one_minus_exp_minus_delta_on_masked_tokens():
+    """kl_estimator k3 against old: grad difference = beta M (1 - e^{-delta}) / N."""
+    x = make_inputs(B=6, T=7, seed=21, noise=0.3)
+    beta = 0.7
+    _, g0, _ = run_x("tepo", x, tepo_cfg(beta=0.0, kl_estimator="k3"))
+    _, g1, _ = run_x("tepo", x, tepo_cfg(beta=beta, kl_estimator="k3"))
+    M = tepo_expected_mask(x)
+    N = float(x.mask.sum())
+    assert_close(g1 - g0, beta * M * (1 - torch.exp(-(x.logp - x.old))) / N)
+
+
+def test_tepo_cov_mask_with_centred_advantages_selects_positive_advantage_above_mean_logp():
+    """Properties 19, 20: with mean(A)=0, M = [A>0] and [logp > mean logp] and valid only."""
+    B, T, L = 6, 7, 5
+    x = make_inputs(B=B, T=T, lengths=[L] * B, seed=22, noise=0.3)
+    x.adv = x.adv - x.adv.mean()
+    vt = valid_tokens(x.mask)
+    mlp = sum(float(x.logp[i, t]) for i, t in vt) / len(vt)
+    M = torch.zeros(B, T, dtype=F64)
+    for i, t in vt:
+        if float(x.adv[i]) > 0 and float(x.logp[i, t]) > mlp:
+            M[i, t] = 1.0
+    beta = 1.0
+    _, g0, _ = run_x("tepo", x, tepo_cfg(beta=0.0))
+    _, g1, m1 = run_x("tepo", x, tepo_cfg(beta=beta))
+    N = float(x.mask.sum())
+    diff = g1 - g0
+    assert_close(diff, beta * M * torch.sign(x.logp - x.old) / N)
+    assert torch.all(diff[x.adv <= 0] == 0) and torch.all(diff[x.mask == 0] == 0)
+    assert_close(m1["kl_mask/frac"], float(M.sum()) / N)
+    assert_close(m1["kl_mask/penalty"], float((M * (x.logp - x.old).abs()).sum()) / N)
+
+
+def test_tepo_hard_mask_drops_policy_gradient_of_masked_tokens_beyond_tau():
+    """1.5 kl_mode='hard': masked tokens with D=|delta| > tau lose their PG gradient;
+    unmasked tokens keep the beta=0 gradient."""
+    x = make_inputs(B=6, T=7, seed=23, noise=0.3)
+    tau = 0.2
+    _, g0, _ = run_x("tepo", x, tepo_cfg(beta=0.0))
+    _, gh, _ = run_x("tepo", x, tepo_cfg(beta=1.0, kl_mode="hard", kl_tau=tau))
+    M = tepo_expected_mask(x)
+    D = (x.logp - x.old).abs()
+    drop = (M > 0) & (D > tau)
+    assert drop.any() and ((M > 0) & (D <= tau)).any()
+    assert torch.all(gh[drop] == 0)
+    keep = (M == 0)
+    assert_close(gh[keep], g0[keep])
+
+
+def test_tepo_equals_gspo_at_equal_lengths_and_reweights_sequences_by_length_otherwise():
+    """Property 23: empty mask (beta=0): equal lengths -> TEPO = GSPO (value, grad) for any
+    ratios; unequal lengths -> grad_TEPO = grad_GSPO * |o_i| / mean|o|."""
+    kw = dict(eps_low=0.05, eps_high=0.05, beta=0.0)
+    y = make_inputs(B=5, T=7, lengths=[5] * 5, seed=24, noise=0.3)
+    lt, gt, _ = run_x("tepo", y, tepo_cfg(**kw))
+    ls, gs, _ = run("gspo", y.logp, y.old, y.adv, y.mask, cfg("gspo", aggregation="seq-mean-token-mean", **kw))
+    assert_close(lt, ls)
+    assert_close(gt, gs)
+    x = make_inputs(B=5, T=7, lengths=[7, 1, 3, 5, 4], seed=25, noise=0.3)
+    _, gt, _ = run_x("tepo", x, tepo_cfg(**kw))
+    _, gs, _ = run("gspo", x.logp, x.old, x.adv, x.mask, cfg("gspo", aggregation="seq-mean-token-mean", **kw))
+    mean_len = sum(x.lengths) / 5
+    scale = torch.tensor([L / mean_len for L in x.lengths], dtype=F64)[:, None]
+    assert_close(gt, gs * scale)
+    assert (gs != 0).any()
+
+
+# =============================================================================
+# 7. MPO (properties 24-29)
+# =============================================================================
+
+def mpo_cfg(**kw):
+    base = dict(block_size=4, block_ratio="joint", block_agg="seq-mean-block-mean", eps_low=0.2,
+                eps_high=0.2, beta=0.0)
+    base.update(kw)
+    return cfg("mpo", **base)
+
+
+@HYP
+@given(B=st.integers(1, 5), T=st.integers(1, 7), seed=st.integers(0, 10_000),
+       block_ratio=st.sampled_from(["joint", "geomean"]), on_policy=st.booleans())
+def test_mpo_with_block_size_one_equals_token_level_surrogate(B, T, seed, block_ratio, on_policy):
+    """Property 24: K=1 -> seq-mean-block-mean = GRPO, token-weighted = DAPO (value, grad)."""
+    x = make_inputs(B=B, T=T, seed=seed, noise=0.0 if on_policy else 0.3)
+    old = x.logp.clone() if on_policy else x.old
+    tok = dict(eps_low=0.2, eps_high=0.28, beta=0.0, dual_clip_c=None)
+    lm, gm, _ = run("mpo", x.logp, old, x.adv, x.mask,
+                    mpo_cfg(block_size=1, block_ratio=block_ratio, eps_low=0.2, eps_high=0.28))
+    lg, gg, _ = run("grpo", x.logp, old, x.adv, x.mask, cfg("grpo", aggregation="seq-mean-token-mean", **tok))
+    assert_close(lm, lg)
+    assert_close(gm, gg)
+    lm, gm, _ = run("mpo", x.logp, old, x.adv, x.mask,
+                    mpo_cfg(block_size=1, block_ratio=block_ratio, block_agg="token-weighted",
+                            eps_low=0.2, eps_high=0.28))
+    ld, gd, _ = run("dapo", x.logp, old, x.adv, x.mask, cfg("dapo", aggregation="token-mean", **tok))
+    assert_close(lm, ld)
+    assert_close(gm, gd)
+
+
+def test_mpo_single_block_geomean_equals_gspo_and_joint_is_full_product():
+    """Property 25: K >= max length: geomean + seq-mean-block-mean = GSPO exactly;
+    joint uses prod_t r_t (grad -(1/B) A rho per token when unclipped)."""
+    x = make_inputs(B=5, T=6, lengths=[6, 2, 4, 1, 5], seed=26, noise=0.2)
+    kw = dict(eps_low=0.05, eps_high=0.05)
+    lm, gm, _ = run("mpo", x.logp, x.old, x.adv, x.mask, mpo_cfg(block_size=8, block_ratio="geomean", **kw))
+    ls, gs, _ = run("gspo", x.logp, x.old, x.adv, x.mask,
+                    cfg("gspo", aggregation="seq-mean-token-mean", beta=0.0, **kw))
+    assert_close(lm, ls)
+    assert_close(gm, gs)
+    lr, n = tepo.block_log_ratio(x.logp, x.old, x.mask, 8, "joint")
+    assert lr.shape == (5, 1) and n.shape == (5, 1)
+    exp_lr = [sum(float(x.logp[i, t] - x.old[i, t]) for t in range(L)) for i, L in enumerate(x.lengths)]
+    assert_close(lr[:, 0], torch.tensor(exp_lr, dtype=F64))
+    _, gj, _ = run("mpo", x.logp, x.old, x.adv, x.mask,
+                   mpo_cfg(block_size=8, block_ratio="joint", eps_low=0.99, eps_high=100.0))
+    exp = torch.zeros_like(gj)
+    for i, t in valid_tokens(x.mask):
+        exp[i, t] = -float(x.adv[i]) * math.exp(exp_lr[i]) / 5
+    assert_close(gj, exp)
+
+
+@HYP
+@given(lengths=st.lists(st.integers(0, 11), min_size=1, max_size=5), K=st.integers(1, 5),
+       extra=st.integers(0, 3))
+def test_block_counts_cover_each_response_exactly(lengths, K, extra):
+    """Property 26: J_i = ceil(L_i/K), last block L_i-(J_i-1)K in [1,K], counts sum to L_i."""
+    T = max(lengths) + extra
+    if T == 0:
+        T = 1
+    mask = lengths_mask(lengths, T)
+    z = torch.zeros(len(lengths), T, dtype=F64)
+    lr, n = tepo.block_log_ratio(z, z, mask, K)
+    assert n.shape == (len(lengths), math.ceil(T / K)) and lr.shape == n.shape
+    for i, L in enumerate(lengths):
+        counts = [int(v) for v in n[i].tolist() if v > 0]
+        J = math.ceil(L / K)
+        assert len(counts) == J
+        assert sum(counts) == L
+        if J:
+            assert counts[:-1] == [K] * (J - 1)
+            assert counts[-1] == L - (J - 1) * K and 1 <= counts[-1] <= K
+
+
+def test_joint_block_log_ratio_sums_deltas_with_rho_gradient_and_is_permutation_invariant():
+    """Property 27: log rho_ij = sum_{t in block} delta; d rho_ij/d logp_t = rho_ij;
+    permuting tokens inside a block leaves rho unchanged. geomean = block mean."""
+    x = make_inputs(B=3, T=7, lengths=[7, 5, 3], seed=27, noise=0.3)
+    K = 3
+    lp = x.logp.clone().requires_grad_(True)
+    lr, n = tepo.block_log_ratio(lp, x.old, x.mask, K, "joint")
+    rho = lr.exp()
+    for i, L in enumerate(x.lengths):
+        for j in range(math.ceil(7 / K)):
+            ts = [t for t in range(j * K, min((j + 1) * K, L))]
+            exp = sum(float(x.logp[i, t] - x.old[i, t]) for t in ts)
+            assert_close(lr[i, j], exp)
+            if ts:
+                gr, = torch.autograd.grad(rho[i, j], lp, retain_graph=True)
+                e = torch.zeros_like(gr)
+                for t in ts:
+                    e[i, t] = math.exp(exp)
+                assert_close(gr, e)
+    perm = torch.tensor([2, 0, 1, 5, 3, 4, 6])
+    lr_p, _ = tepo.block_log_ratio(x.logp[:1, perm], x.old[:1, perm], x.mask[:1], K, "joint")
+    assert_close(lr_p, lr[:1].detach())
+    lg, _ = tepo.block_log_ratio(x.logp, x.old, x.mask, K, "geomean")
+    assert_close(lg[n > 0], (lr.detach() / n.clamp(min=1))[n > 0])
+
+
+def test_mpo_gradient_at_ratio_one_joint_scales_by_blocks_and_geomean_equals_grpo():
+    """Property 28: ratio 1, joint + seq-mean-block-mean: grad = -(1/G) A_i / J_i;
+    geomean with K | L_i equals GRPO."""
+    x = make_inputs(B=4, T=8, lengths=[8, 3, 5, 1], seed=28)
+    K = 2
+    _, g, _ = run("mpo", x.logp, x.logp.clone(), x.adv, x.mask, mpo_cfg(block_size=K))
+    exp = torch.zeros_like(g)
+    for i, t in valid_tokens(x.mask):
+        exp[i, t] = -float(x.adv[i]) / (4 * math.ceil(x.lengths[i] / K))
+    assert_close(g, exp)
+    y = make_inputs(B=4, T=8, lengths=[8, 2, 4, 6], seed=29)
+    _, gm, _ = run("mpo", y.logp, y.logp.clone(), y.adv, y.mask, mpo_cfg(block_size=K, block_ratio="geomean"))
+    _, gg, _ = run("grpo", y.logp, y.logp.clone(), y.adv, y.mask,
+                   cfg("grpo", aggregation="seq-mean-token-mean", beta=0.0, dual_clip_c=None))
+    assert_close(gm, gg)
+
+
+def test_mpo_block_is_clipped_as_a_unit_and_other_blocks_are_unaffected():
+    """Property 29: a block outside the band (direction of A) gets zero gradient on all its
+    tokens; the other blocks keep -(1/B) A rho / J."""
+    eps = 0.05
+    mask = torch.ones(2, 8, dtype=F64)
+    old = torch.full((2, 8), -1.0, dtype=F64)
+    delta = torch.zeros(2, 8, dtype=F64)
+    delta[0, 0] = 0.1      # row 0 (A>0): block 0 rho = e^0.1 > 1.05 -> clipped
+    delta[1, 4] = -0.2     # row 1 (A<0): block 1 rho = e^-0.2 < 0.95 -> clipped
+    delta[0, 5] = -0.3     # row 0 block 1: A>0, rho < 1-eps -> NOT clipped
+    adv = torch.tensor([1.5, -0.8], dtype=F64)
+    _, g, _ = run("mpo", old + delta, old, adv, mask, mpo_cfg(block_size=4, eps_low=eps, eps_high=eps))
+    assert torch.all(g[0, :4] == 0) and torch.all(g[1, 4:] == 0)
+    assert_close(g[0, 4:], torch.full((4,), -1.5 * math.exp(-0.3) / (2 * 2), dtype=F64))
+    assert_close(g[1, :4], torch.full((4,), 0.8 / (2 * 2), dtype=F64))
+
+
+# =============================================================================
+# 8. Entropy: logits helpers (ANCHORS bugs 1, 6) and mathematics (properties 30-33)
+# =============================================================================
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.6])
+def test_entropy_from_logits_is_full_vocabulary_entropy(temperature):
+    """ANCHORS bug 1: entropy is -sum_v p_v log p_v over the whole vocabulary of softmax(z/T),
+    not the sampled token's -log p; computed without grad."""
+    g = torch.Generator().manual_seed(30)
+    logits = (torch.randn(2, 3, 11, generator=g, dtype=F64) * 3).requires_grad_(True)
+    H = tepo.entropy_from_logits(logits, temperature=temperature)
+    assert H.shape == (2, 3) and not H.requires_grad
+    exp = torch.tensor([[py_entropy(logits[b, t].tolist(), temperature) for t in range(3)]
+                        for b in range(2)], dtype=F64)
+    # float32-level tolerance here; float64 precision is checked by test_logits_helpers_keep_float64
+    assert_close(H, exp, atol=1e-6, rtol=1e-6)
+    nll = -torch.log_softmax(logits.detach() / temperature, -1).max(-1).values  # sampled-token -log p
+    assert (H - nll).abs().max() > 0.1  # it is not the sampled token's -log p
+
+
+def test_logits_helpers_keep_float64_precision():
+    """float64 logits must give float64 results (the section-9 checks are float64 at ~1e-9);
+    bf16 / fp16 may be upcast to float32."""
+    g = torch.Generator().manual_seed(61)
+    logits = torch.randn(2, 3, 7, generator=g, dtype=F64) * 3
+    tokens = torch.randint(0, 7, (2, 3), generator=g)
+    exp_lp = torch.log_softmax(logits / 0.7, -1).gather(-1, tokens[..., None])[..., 0]
+    exp_h = t_entropy(logits / 0.7)
+    got_lp = tepo.token_logprobs_from_logits(logits, tokens, temperature=0.7)
+    got_h = tepo.entropy_from_logits(logits, temperature=0.7)
+    pred, meas = tepo.entropy_change_prediction(logits[0], logits[0] + 1e-3, temperature=0.7)
+    assert (got_lp.dtype, got_h.dtype, pred.dtype, meas.dtype) == (F64,) * 4
+    assert_close(got_lp, exp_lp, atol=1e-12)
+    assert_close(got_h, exp_h, atol=1e-12)
+    assert tepo.entropy_from_logits(logits.to(torch.bfloat16)).dtype == torch.float32
+
+
+def test_entropy_from_logits_chunked_equals_unchunked():
+    g = torch.Generator().manual_seed(31)
+    logits = torch.randn(3, 7, 13, generator=g, dtype=F64) * 2
+    full = tepo.entropy_from_logits(logits, chunk_size=10_000)
+    for cs in [1, 2, 5, 8]:
+        assert_close(tepo.entropy_from_logits(logits, chunk_size=cs), full, atol=1e-13)
+    flat = tepo.entropy_from_logits(logits.reshape(21, 13), chunk_size=4)
+    assert_close(flat, full.reshape(21), atol=1e-13)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 1.5])
+def test_token_logprobs_from_logits_use_the_sampling_temperature(temperature):
+    """ANCHORS bug 6: log-probs at temperature T are log_softmax(logits / T) gathered."""
+    g = torch.Generator().manual_seed(32)
+    logits = torch.randn(2, 4, 9, generator=g, dtype=F64) * 3
+    tokens = torch.randint(0, 9, (2, 4), generator=g)
+    got = tepo.token_logprobs_from_logits(logits, tokens, temperature=temperature)
+    exp = torch.zeros(2, 4, dtype=F64)
+    for b in range(2):
+        for t in range(4):
+            zs = [float(v) / temperature for v in logits[b, t]]
+            m = max(zs)
+            exp[b, t] = zs[int(tokens[b, t])] - (m + math.log(sum(math.exp(v - m) for v in zs)))
+    assert_close(got, exp, atol=2e-6, rtol=1e-6)  # float64 precision: test_logits_helpers_keep_float64
+    if temperature != 1.0:  # untempered log-probs (bug 6) are far off
+        assert (tepo.token_logprobs_from_logits(logits, tokens) - exp).abs().max() > 0.1
+    lg = logits.clone().requires_grad_(True)
+    assert tepo.token_logprobs_from_logits(lg, tokens, temperature=temperature).requires_grad
+
+
+def test_softmax_entropy_gradient_jacobian_and_fisher_closed_forms():
+    """1.6 steps 1-3: dH/dz_b = -p_b(log p_b - E log p); d log p_a/d z_b = 1[a=b] - p_b;
+    F = diag(p) - p p^T = E_p[grad log p grad log p^T]."""
+    g = torch.Generator().manual_seed(33)
+    z = torch.randn(7, generator=g, dtype=F64) * 2
+    p = torch.softmax(z, -1)
+    lp = torch.log_softmax(z, -1)
+    assert_close(tepo.softmax_entropy(z), py_entropy(z.tolist()), atol=1e-12)
+    eg = -p * (lp - (p * lp).sum())
+    zz = z.clone().requires_grad_(True)
+    auto, = torch.autograd.grad(t_entropy(zz), zz)
+    assert_close(tepo.entropy_grad_wrt_logits(z), eg)
+    assert_close(eg, auto)
+    J = tepo.softmax_log_jacobian(z)
+    assert_close(J, torch.eye(7, dtype=F64) - p[None, :])
+    assert_close(J, torch.autograd.functional.jacobian(lambda v: torch.log_softmax(v, -1), z))
+    F = tepo.fisher_matrix(z)
+    assert_close(F, torch.diag(p) - torch.outer(p, p))
+    assert_close(F, J.T @ torch.diag(p) @ J)
+
+
+@HYP
+@given(seed=st.integers(0, 10_000), V=st.integers(2, 40), scale=st.floats(0.1, 5.0))
+def test_entropy_directional_derivative_is_exactly_minus_cov_logp_direction(seed, V, scale):
+    """Property 30: d/dt H(softmax(z+tu))|0 = -Cov_p(log p, u), checked by central differences."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(V, generator=g, dtype=F64) * scale
+    u = torch.randn(V, generator=g, dtype=F64)
+    p, lp = torch.softmax(z, -1), torch.log_softmax(z, -1)
+    h = 1e-5
+    fd = (py_entropy((z + h * u).tolist()) - py_entropy((z - h * u).tolist())) / (2 * h)
+    exact = -float(cov_p(p, lp, u))
+    assert abs(fd - exact) < 1e-9 * max(1.0, abs(exact)) + 1e-9
+    assert abs(float(tepo.first_order_entropy_change(z, u)) - exact) < 1e-12
+
+
+def test_natural_gradient_step_is_eta_A_and_entropy_change_is_minus_eta_cov():
+    """Property 31: F^+ (p (A - E_p A)) - A is constant, NPG step = eta A (up to a constant),
+    Delta H = -eta Cov(log p, A) + O(eta^2)."""
+    g = torch.Generator().manual_seed(34)
+    z = torch.randn(9, generator=g, dtype=F64) * 1.5
+    A = torch.randn(9, generator=g, dtype=F64) + 2.0
+    p, lp = torch.softmax(z, -1), torch.log_softmax(z, -1)
+    F = tepo.fisher_matrix(z)
+    d = torch.linalg.pinv(F) @ (p * (A - (p * A).sum())) - A
+    assert float(d.max() - d.min()) < 1e-9
+    errs = []
+    for eta in [1e-2, 1e-3]:
+        z1 = tepo.natural_gradient_step(z, A, eta)
+        assert_close(torch.softmax(z1, -1), torch.softmax(z + eta * A, -1))
+        dH = py_entropy(z1.tolist()) - py_entropy(z.tolist())
+        pred = -eta * float(cov_p(p, lp, A))
+        errs.append(abs(dH - pred))
+        assert abs(dH - pred) < 0.05 * abs(pred)
+    assert 30 < errs[0] / errs[1] < 300  # second-order error
+    assert_close(torch.softmax(tepo.natural_gradient_step(z, A + 7.0, 1e-2), -1),
+                 torch.softmax(tepo.natural_gradient_step(z, A, 1e-2), -1))
+
+
+def test_policy_gradient_entropy_change_uses_centred_advantage():
+    """Property 32: PG step u = eta p (A - E_p A); Delta H ~ -eta Cov(log p, p(A - Abar));
+    with uncentred A the form -eta Cov(log p, p A) is wrong."""
+    g = torch.Generator().manual_seed(35)
+    z = torch.randn(9, generator=g, dtype=F64) * 1.5
+    A = torch.randn(9, generator=g, dtype=F64) + 5.0
+    p, lp = torch.softmax(z, -1), torch.log_softmax(z, -1)
+    eta = 1e-3
+    z1 = tepo.policy_gradient_step(z, A, eta)
+    u = eta * p * (A - (p * A).sum())
+    assert_close(torch.softmax(z1, -1), torch.softmax(z + u, -1))
+    dH = py_entropy(z1.tolist()) - py_entropy(z.tolist())
+    centred = -eta * float(cov_p(p, lp, p * (A - (p * A).sum())))
+    uncentred = -eta * float(cov_p(p, lp, p * A))
+    assert abs(dH - centred) < 0.02 * abs(centred)
+    assert abs(dH - uncentred) > 0.5 * abs(centred)
+    assert_close(torch.softmax(tepo.policy_gradient_step(z, A + 3.0, eta), -1), torch.softmax(z1, -1))
+
+
+def test_npg_entropy_sign_decreases_for_A_increasing_in_logp_and_increases_otherwise():
+    """Property 33: A = log p -> entropy decreases; A = -log p -> entropy increases."""
+    g = torch.Generator().manual_seed(36)
+    z = torch.randn(8, generator=g, dtype=F64) * 2
+    lp = torch.log_softmax(z, -1)
+    H0 = py_entropy(z.tolist())
+    assert py_entropy(tepo.natural_gradient_step(z, lp, 0.1).tolist()) < H0
+    assert py_entropy(tepo.natural_gradient_step(z, -lp, 0.1).tolist()) > H0
+    assert float(tepo.first_order_entropy_change(z, lp)) < 0 < float(tepo.first_order_entropy_change(z, -lp))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_entropy_change_prediction_is_minus_cov_and_matches_measured_for_small_steps(temperature):
+    """entropy_change_prediction: predicted = -Cov_p(log p, dz/T) exactly, measured = H1 - H0,
+    and predicted/measured -> 1 as the step -> 0."""
+    g = torch.Generator().manual_seed(37)
+    before = torch.randn(5, 10, generator=g, dtype=F64) * 2
+    direction = torch.randn(5, 10, generator=g, dtype=F64)
+    prev_err = None
+    for step in [1e-2, 1e-3, 1e-4]:
+        after = before + step * direction
+        pred, meas = tepo.entropy_change_prediction(before, after, temperature=temperature)
+        assert pred.shape == (5,) and meas.shape == (5,)
+        for n in range(5):
+            zt = before[n] / temperature
+            p, lp = torch.softmax(zt, -1), torch.log_softmax(zt, -1)
+            assert_close(pred[n], -cov_p(p, lp, step * direction[n] / temperature), atol=1e-14)
+            assert_close(meas[n], py_entropy(after[n].tolist(), temperature) - py_entropy(before[n].tolist(), temperature),
+                         atol=1e-13)
+        err = float(((pred - meas) / meas).abs().max())
+        if prev_err is not None:
+            assert err < prev_err / 5
+        prev_err = err
+    assert prev_err < 1e-3
+
+
+# =============================================================================
+# 9. Clip-Cov / KL-Cov (properties 34, 35)
+# =============================================================================
+
+def test_token_covariance_matches_loop_and_is_detached():
+    x = make_inputs(B=5, T=6, lengths=[6, 1, 0, 4, 3], seed=38)
+    lp = x.logp.clone().requires_grad_(True)
+    cov = tepo.token_covariance(lp, x.adv, x.mask)
+    assert not cov.requires_grad
+    assert_close(cov, ref_cov(x.logp, x.adv, x.mask))
+    assert torch.all(cov[x.mask == 0] == 0)
+
+
+def cov_inputs(seed=39, noise=0.0):
+    x = make_inputs(B=4, T=8, lengths=[8, 8, 6, 7], seed=seed, noise=noise)
+    x.adv = torch.tensor([1.5, 0.5, -0.5, -1.5], dtype=F64)
+    return x
+
+
+def clip_cov_cfg(**kw):
+    base = dict(eps_low=0.2, eps_high=0.2, beta=0.0, aggregation="token-mean", clip_cov_lb=0.05,
+                clip_cov_ub=100.0, clip_cov_ratio=2e-4, dual_clip_c=None)
+    base.update(kw)
+    return cfg("clip_cov", **base)
+
+
+def vanilla_grad(x, old, el=0.2, eh=0.2):
+    N = float(x.mask.sum())
+    exp = torch.zeros(x.B, x.T, dtype=F64)
+    for i, t in valid_tokens(x.mask):
+        A, r = float(x.adv[i]), math.exp(float(x.logp[i, t] - old[i, t]))
+        if not is_clipped(A, r, el, eh):
+            exp[i, t] = -A * r / N
+    return exp
+
+
+@pytest.mark.parametrize("ratio_mult", [1e-6, 3.5, 29.0])
+def test_clip_cov_selects_min_of_clip_num_and_candidates_and_zeroes_only_their_gradient(ratio_mult):
+    """Property 34: n = min(max(1, int(ratio N)), #candidates) tokens, all candidates
+    (lb < Cov < ub, valid), get exactly zero gradient; all others equal vanilla PPO."""
+    x = cov_inputs()
+    N = float(x.mask.sum())
+    cov = ref_cov(x.logp, x.adv, x.mask)
+    cand = (cov > 0.05) & (cov < 100.0) & (x.mask > 0)
+    n_cand = int(cand.sum())
+    ratio = ratio_mult / N
+    n_exp = min(max(1, int(ratio * N)), n_cand)
+    assert 3 < n_cand < N
+    torch.manual_seed(0)
+    _, g, m = run("clip_cov", x.logp, x.logp.clone(), x.adv, x.mask, clip_cov_cfg(clip_cov_ratio=ratio))
+    van = vanilla_grad(x, x.logp)
+    selected = (g == 0) & (van != 0)
+    assert int(selected.sum()) == n_exp
+    assert torch.all(cand[selected])
+    assert_close(g[~selected], van[~selected])
+    assert m["cov/n_selected"] == float(n_exp)
+
+
+def test_clip_cov_excludes_tokens_already_clipped_by_ppo_from_candidates():
+    """Property 34: PPO-clipped tokens are not candidates (n_selected counts only unclipped ones)."""
+    x = cov_inputs(seed=40, noise=0.3)
+    cov = ref_cov(x.logp, x.adv, x.mask)
+    clipped = torch.zeros_like(x.mask, dtype=torch.bool)
+    for i, t in valid_tokens(x.mask):
+        clipped[i, t] = is_clipped(float(x.adv[i]), math.exp(float(x.logp[i, t] - x.old[i, t])), 0.2, 0.2)
+    cand_all = (cov > 0.05) & (cov < 100.0) & (x.mask > 0)
+    cand = cand_all & ~clipped
+    assert (cand_all & clipped).any() and cand.any()
+    torch.manual_seed(0)
+    _, g, m = run("clip_cov", x.logp, x.old, x.adv, x.mask, clip_cov_cfg(clip_cov_ratio=1.0))
+    assert m["cov/n_selected"] == float(int(cand.sum()))
+    exp = vanilla_grad(x, x.old)
+    exp[cand] = 0.0
+    assert_close(g, exp)
+
+
+def test_clip_cov_selection_is_deterministic_under_a_seed_and_random_across_seeds():
+    """Property 34: same torch.manual_seed -> same selection; the draw is random among candidates."""
+    x = cov_inputs(seed=41)
+    c = clip_cov_cfg(clip_cov_ratio=3.5 / float(x.mask.sum()))
+    grads = []
+    for seed in [0, 0, 1, 2, 3, 4, 5]:
+        torch.manual_seed(seed)
+        grads.append(run("clip_cov", x.logp, x.logp.clone(), x.adv, x.mask, c)[1])
+    assert torch.equal(grads[0], grads[1])
+    patterns = {tuple((gr == 0).flatten().tolist()) for gr in grads}
+    assert len(patterns) > 1
+
+
+def test_kl_cov_at_ratio_one_equals_unclipped_policy_gradient():
+    """Property 35: at ratio 1 KL-Cov value and gradient are those of -A r (token-mean)."""
+    x = cov_inputs(seed=42)
+    c = cfg("kl_cov", beta=1.0, kl_cov_ratio=0.2, aggregation="token-mean", eps_low=0.2, eps_high=0.2)
+    loss, g, m = run("kl_cov", x.logp, x.logp.clone(), x.adv, x.mask, c)
+    N = float(x.mask.sum())
+    exp = torch.zeros_like(g)
+    for i, t in valid_tokens(x.mask):
+        exp[i, t] = -float(x.adv[i]) / N
+    assert_close(g, exp)
+    assert_close(loss, float(exp.sum()))
+    assert m["cov/n_selected"] == float(max(1, int(0.2 * N)))
+
+
+def test_kl_cov_off_policy_penalises_top_k_covariance_tokens_with_beta_sign_delta():
+    """Property 35: top-k (k = max(1, int(N ratio))) tokens by Cov get -A r + beta |delta|;
+    the rest -A r, never clipped. Gradient difference = beta sign(delta) / N on the top-k."""
+    x = cov_inputs(seed=43, noise=0.4)
+    beta = 0.8
+    N = float(x.mask.sum())
+    ratio = 0.15
+    k = max(1, int(N * ratio))
+    c = cfg("kl_cov", beta=beta, kl_cov_ratio=ratio, aggregation="token-mean", eps_low=0.2, eps_high=0.2)
+    loss, g, m = run("kl_cov", x.logp, x.old, x.adv, x.mask, c)
+    cov = ref_cov(x.logp, x.adv, x.mask)
+    vt = valid_tokens(x.mask)
+    top = sorted(vt, key=lambda it: float(cov[it]), reverse=True)[:k]
+    exp = torch.zeros_like(g)
+    val = 0.0
+    n_would_clip = 0
+    for i, t in vt:
+        A, d = float(x.adv[i]), float(x.logp[i, t] - x.old[i, t])
+        n_would_clip += is_clipped(A, math.exp(d), 0.2, 0.2)
+        exp[i, t] = -A * math.exp(d) / N
+        val += -A * math.exp(d) / N
+        if (i, t) in top:
+            exp[i, t] += beta * math.copysign(1.0, d) / N
+            val += beta * abs(d) / N
+    assert n_would_clip > 0
+    assert_close(g, exp)
+    assert_close(loss, val)
+    assert m["cov/n_selected"] == float(k)
+
+
+# =============================================================================
+# 10. Cross-method sanity (property 36)
+# =============================================================================
+
+def test_all_group_objectives_share_the_gradient_at_ratio_one_with_equal_lengths():
+    """Property 36: ratio 1, equal lengths: GRPO, GSPO, GSPO-token, DAPO, TEPO (empty mask at
+    ratio 1), MPO (K=1) give the same gradient -A_i/(G L); Dr. GRPO's is that times (std_g + eps)."""
+    B, T, G = 8, 6, 4
+    g = torch.Generator().manual_seed(44)
+    rewards = torch.tensor([1, 0, 0, 1, 0, 1, 1, 1], dtype=F64) + 0.1 * torch.rand(B, generator=g, dtype=F64)
+    A = ref_group_adv(rewards, G)
+    A_dr = ref_group_adv(rewards, G, scale="none")
+    x = make_inputs(B=B, T=T, lengths=[T] * B, seed=45)
+    exp = -A[:, None].expand(B, T) / (B * T)
+    kw = dict(beta=0.0)
+    cases = [("grpo", cfg("grpo", aggregation="seq-mean-token-mean", **kw)),
+             ("gspo", cfg("gspo", aggregation="seq-mean-token-mean", **kw)),
+             ("gspo_token", cfg("gspo_token", aggregation="seq-mean-token-mean", **kw)),
+             ("dapo", cfg("dapo", aggregation="token-mean", **kw)),
+             ("tepo", tepo_cfg(beta=1.0, eps_low=3e-4, eps_high=4e-4)),
+             ("mpo", mpo_cfg(block_size=1))]
+    for name, c in cases:
+        _, gr, _ = run(name, x.logp, x.logp.clone(), A, x.mask, c, ref_logp=x.ref)
+        assert_close(gr, exp, msg=name)
+    _, gd, _ = run("dr_grpo", x.logp, x.logp.clone(), A_dr, x.mask,
+                   cfg("dr_grpo", aggregation="seq-mean-token-sum-norm", norm_constant=None, **kw))
+    stds = torch.tensor([statistics.stdev(rewards[k:k + G].tolist()) for k in range(0, B, G)], dtype=F64)
+    assert_close(gd, exp * (stds.repeat_interleave(G) + 1e-6)[:, None])
+
+
+# =============================================================================
+# 11. Robustness: padding, empty rows, extreme ratios, bf16, metrics (ANCHORS bugs 3, 7, 8)
+# =============================================================================
+
+@pytest.mark.parametrize("name,ov", SWEEP, ids=SWEEP_IDS)
+@settings(max_examples=15, deadline=None)
+@given(B=st.integers(1, 5), T=st.integers(1, 7), seed=st.integers(0, 10_000))
+def test_padding_never_changes_loss_gradient_or_metrics(name, ov, B, T, seed):
+    """Property 2 for every objective: perturbing logp/old_logp/ref_logp/entropies where
+    mask=0 leaves loss, gradient and every metric identical; padding gradient is 0."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, T + 1, (B,), generator=g).tolist()
+    lengths[0] = max(lengths[0], 1)
+    x = make_inputs(B=B, T=T, lengths=lengths, seed=seed, noise=0.3)
+    c = cfg(name, **ov)
+    pad = x.mask == 0
+
+    def perturb(v, s):
+        return torch.where(pad, v + s * torch.randn(B, T, generator=g, dtype=F64), v)
+
+    y = SimpleNamespace(**vars(x))
+    y.logp, y.old, y.ref = perturb(x.logp, 1e4), perturb(x.old, 50.0), perturb(x.ref, 1e3)
+    y.ent, y.old_ent = perturb(x.ent, 10.0).abs(), perturb(x.old_ent, 10.0).abs()
+    torch.manual_seed(0)
+    l0, g0, m0 = run_x(name, x, c)
+    torch.manual_seed(0)
+    l1, g1, m1 = run_x(name, y, c)
+    assert_close(l1, l0, atol=1e-12)
+    assert_close(g1, g0, atol=1e-14)
+    assert torch.all(g0[pad] == 0)
+    assert set(m0) == set(m1)
+    for k in m0:
+        assert math.isclose(m0[k], m1[k], rel_tol=1e-9, abs_tol=1e-12), (k, m0[k], m1[k])
+
+
+@pytest.mark.parametrize("name,ov", SWEEP, ids=SWEEP_IDS)
+def test_nonfinite_values_at_padding_do_not_leak_into_loss_gradient_or_metrics(name, ov):
+    """ANCHORS bug 7: NaN / -inf log-probs at masked positions (e.g. pad tokens) must not
+    reach the loss, gradients or metrics through multiply-by-mask."""
+    x = make_inputs(B=4, T=6, lengths=[6, 3, 0, 4], seed=46, noise=0.3)
+    c = cfg(name, **ov)
+    pad = x.mask == 0
+    y = SimpleNamespace(**vars(x))
+    y.logp = torch.where(pad, torch.full_like(x.logp, float("nan")), x.logp)
+    y.old = torch.where(pad, torch.full_like(x.old, float("-inf")), x.old)
+    y.ref = torch.where(pad, torch.full_like(x.ref, float("nan")), x.ref)
+    y.ent = torch.where(pad, torch.full_like(x.ent, float("nan")), x.ent)
+    torch.manual_seed(0)
+    l0, g0, m0 = run_x(name, x, c)
+    torch.manual_seed(0)
+    l1, g1, m1 = run_x(name, y, c)
+    assert torch.isfinite(l1) and torch.isfinite(g1).all()
+    all_finite_metrics(m1)
+    assert_close(l1, l0, atol=1e-12)
+    assert_close(g1, g0, atol=1e-14)
+
+
+@pytest.mark.parametrize("name,ov", SWEEP, ids=SWEEP_IDS)
+def test_fully_masked_rows_and_batches_give_finite_zeros(name, ov):
+    """Empty rows get zero gradient; an all-padding batch gives loss 0, zero grads, finite
+    metrics, and loss.backward() still works."""
+    x = make_inputs(B=4, T=5, lengths=[5, 0, 3, 0], seed=47, noise=0.3)
+    c = cfg(name, **ov)
+    torch.manual_seed(0)
+    loss, g, m = run_x(name, x, c)
+    assert torch.isfinite(loss) and torch.isfinite(g).all()
+    assert torch.all(g[1] == 0) and torch.all(g[3] == 0)
+    all_finite_metrics(m)
+    z = make_inputs(B=4, T=5, lengths=[0, 0, 0, 0], seed=48, noise=0.3)
+    lp = z.logp.clone().requires_grad_(True)
+    torch.manual_seed(0)
+    loss, m = tepo.OBJECTIVES[name](lp, z.old, z.adv, z.mask, c, ref_logp=z.ref, entropy=z.ent,
+                                    old_entropy=z.old_ent)
+    assert loss.item() == 0.0
+    all_finite_metrics(m)
+    assert loss.requires_grad, "all-padding micro-batch: loss must stay connected for backward()"
+    loss.backward()
+    assert torch.all(lp.grad == 0)
+
+
+@pytest.mark.parametrize("name,ov", SWEEP, ids=SWEEP_IDS)
+@pytest.mark.parametrize("on_policy", [True, False])
+def test_groups_with_identical_rewards_give_zero_loss_and_gradient(name, ov, on_policy):
+    """Property 1: identical rewards -> A = 0 -> loss 0 and zero gradient (KL to ref with
+    pi = pi_ref). KL-Cov off-policy is excluded: it penalises top-k tokens whatever A is."""
+    if name == "kl_cov" and not on_policy:
+        pytest.skip("KL-Cov penalises top-k |delta| even at zero covariance (verl behaviour)")
+    x = make_inputs(B=8, T=5, seed=49, noise=0.0 if on_policy else 0.3)
+    rewards = torch.tensor([1.0] * 4 + [0.0] * 4, dtype=F64)
+    adv = tepo.group_advantages(rewards, 4)
+    assert torch.all(adv == 0)
+    old = x.logp.clone() if on_policy else x.old
+    torch.manual_seed(0)
+    loss, g, m = run_x(name, x, cfg(name, **ov), old=old, adv=adv, ref_logp=x.logp.clone())
+    assert float(loss) == 0.0
+    assert float(g.abs().max()) == 0.0
+    all_finite_metrics(m)
+
+
+@pytest.mark.parametrize("name,ov", SWEEP, ids=SWEEP_IDS)
+@pytest.mark.parametrize("big", [50.0, 1e4])
+def test_extreme_log_ratios_stay_finite_in_loss_gradient_and_metrics(name, ov, big):
+    x = make_inputs(B=4, T=6, lengths=[6, 5, 3, 6], seed=50)
+    sign = torch.tensor([[1, -1, 1, -1, 1, -1], [1] * 6, [-1] * 6, [1, 1, -1, -1, 0, 0]], dtype=F64)
+    old = x.logp - big * sign
+    ref = x.logp + big * sign.flip(0)
+    torch.manual_seed(0)
+    loss, g, m = run_x(name, x, cfg(name, **ov), old=old, ref_logp=ref)
+    assert torch.isfinite(loss), loss
+    assert torch.isfinite(g).all()
+    all_finite_metrics(m)
+
+
+@pytest.mark.parametrize("name,ov", SWEEP, ids=SWEEP_IDS)
+def test_bf16_inputs_give_finite_loss_close_to_float64(name, ov):
+    x = make_inputs(B=4, T=6, lengths=[6, 5, 3, 6], seed=51, noise=0.1)
+    c = cfg(name, **ov)
+    bf = {k: getattr(x, k).to(torch.bfloat16) for k in ["logp", "old", "adv", "ref", "ent", "old_ent"]}
+    lp = bf["logp"].clone().requires_grad_(True)
+    torch.manual_seed(0)
+    loss, m = tepo.OBJECTIVES[name](lp, bf["old"], bf["adv"], x.mask.bool(), c, ref_logp=bf["ref"],
+                                    entropy=bf["ent"], old_entropy=bf["old_ent"])
+    assert torch.isfinite(loss)
+    loss.backward()
+    assert lp.grad.dtype == torch.bfloat16 and torch.isfinite(lp.grad).all()
+    all_finite_metrics(m)
+    if name in ("clip_cov", "kl_cov", "tepo"):
+        return  # token selection may legitimately differ after bf16 rounding
+    f = {k: v.to(F64) for k, v in bf.items()}
+    ref_loss, _, _ = run(name, f["logp"], f["old"], f["adv"], x.mask, c, ref_logp=f["ref"],
+                         entropy=f["ent"], old_entropy=f["old_ent"])
+    assert abs(loss.item() - float(ref_loss)) < 0.03 * max(1.0, abs(float(ref_loss)))
+
+
+@pytest.mark.parametrize("name,ov", SWEEP, ids=SWEEP_IDS)
+def test_on_policy_metric_is_one_exactly_when_old_logp_equals_logp(name, ov):
+    """ANCHORS bug 8: 'on_policy' = 1.0 when old_logp == logp.detach() on valid tokens
+    (whatever padding holds), 0.0 as soon as one valid token differs."""
+    x = make_inputs(B=4, T=5, lengths=[5, 2, 4, 3], seed=52)
+    c = cfg(name, **ov)
+    old = x.logp.clone()
+    torch.manual_seed(0)
+    assert run_x(name, x, c, old=old)[2]["on_policy"] == 1.0
+    old_pad = torch.where(x.mask > 0, old, old + 3.0)
+    torch.manual_seed(0)
+    assert run_x(name, x, c, old=old_pad)[2]["on_policy"] == 1.0
+    old_off = old.clone()
+    old_off[2, 1] += 1e-3
+    torch.manual_seed(0)
+    assert run_x(name, x, c, old=old_off)[2]["on_policy"] == 0.0
+
+
+@pytest.mark.parametrize("name,ov", SWEEP, ids=SWEEP_IDS)
+def test_kl_old_metrics_average_valid_tokens_only(name, ov):
+    """ANCHORS bug 3: logged KL to old = mean over valid tokens of k1 / k3 of the log-ratio
+    (never averaging padding)."""
+    x = make_inputs(B=4, T=6, lengths=[6, 2, 4, 1], seed=53, noise=0.4)
+    torch.manual_seed(0)
+    _, _, m = run_x(name, x, cfg(name, **ov))
+    vt = valid_tokens(x.mask)
+    d = [float(x.logp[i, t] - x.old[i, t]) for i, t in vt]
+    # KL(pi_old || pi_theta) from rollout tokens: x = old - logp = -delta (verl ppo_kl = mean(-delta))
+    assert math.isclose(m["kl_old/k1"], -sum(d) / len(d), rel_tol=1e-9)
+    assert math.isclose(m["kl_old/k3"], sum(math.exp(v) - v - 1 for v in d) / len(d), rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("name,ov", SWEEP, ids=SWEEP_IDS)
+def test_metrics_have_documented_keys_and_loss_metric_equals_loss(name, ov):
+    x = make_inputs(B=4, T=6, seed=54, noise=0.2)
+    c = cfg(name, **ov)
+    torch.manual_seed(0)
+    loss, _, m = run_x(name, x, c)
+    keys = list(COMMON_METRICS)
+    if name == "tepo":
+        keys += ["kl_mask/frac", "kl_mask/penalty"]
+    if name in ("clip_cov", "kl_cov"):
+        keys += ["cov/n_selected"]
+    if tepo.needs_ref(name, c):
+        keys += ["kl_ref"]
+    missing = [k for k in keys if k not in m]
+    assert not missing, missing
+    all_finite_metrics(m)
+    assert math.isclose(m["loss"], float(loss), rel_tol=1e-12, abs_tol=1e-15)
+
+
+@pytest.mark.parametrize("name,ov", SWEEP, ids=SWEEP_IDS)
+def test_per_token_advantages_equal_to_per_sequence_ones_give_identical_results(name, ov):
+    """advantages [B] and the same values broadcast to [B,T] (zero at padding) are equivalent;
+    sequence-level objectives (GSPO, MPO, TEPO-gmpo) refuse [B,T] with a ValueError instead."""
+    x = make_inputs(B=4, T=6, seed=55, noise=0.2)
+    c = cfg(name, **ov)
+    if name in ("gspo", "mpo") or ov.get("ratio_mode") == "gmpo":
+        raises_naming(lambda: run_x(name, x, c, adv=x.adv[:, None] * x.mask), r"advantages")
+        return
+    torch.manual_seed(0)
+    l0, g0, _ = run_x(name, x, c)
+    torch.manual_seed(0)
+    l1, g1, _ = run_x(name, x, c, adv=x.adv[:, None] * x.mask)
+    assert_close(l1, l0)
+    assert_close(g1, g0)
+
+
+@pytest.mark.parametrize("name,ov", SWEEP, ids=SWEEP_IDS)
+def test_bool_mask_equals_float_mask(name, ov):
+    x = make_inputs(B=4, T=6, seed=56, noise=0.2)
+    c = cfg(name, **ov)
+    torch.manual_seed(0)
+    l0, g0, _ = run_x(name, x, c)
+    y = SimpleNamespace(**vars(x))
+    y.mask = x.mask.bool()
+    torch.manual_seed(0)
+    l1, g1, _ = run_x(name, y, c)
+    assert_close(l1, l0)
+    assert_close(g1, g0)
+
+
+# =============================================================================
+# 12. Gradient accumulation exactness (ANCHORS bug 5)
+# =============================================================================
+
+@pytest.mark.parametrize("mode", MODES)
+def test_aggregate_loss_micro_batches_with_global_counts_sum_to_full_batch(mode):
+    x = make_inputs(B=8, T=6, lengths=[6, 1, 3, 5, 2, 6, 4, 4], seed=57)
+    l = torch.randn(8, 6, generator=torch.Generator().manual_seed(58), dtype=F64)
+    full = tepo.aggregate_loss(l, x.mask, mode)
+    N, S = float(x.mask.sum()), 8.0
+    parts = [tepo.aggregate_loss(l[a:b], x.mask[a:b], mode, num_tokens=N, num_seqs=S)
+             for a, b in [(0, 3), (3, 4), (4, 8)]]
+    assert_close(sum(parts), full)
+
+
+GA_CASES = [
+    ("ppo", dict(aggregation="token-mean", beta=0.0)),
+    ("ppo", dict(aggregation="seq-mean-token-sum", beta=0.0)),
+    ("ppo", dict(aggregation="seq-mean-token-mean", beta=0.1, kl_estimator="k3")),
+    ("grpo", dict(aggregation="seq-mean-token-mean", beta=0.04)),
+    ("dapo", dict(aggregation="token-mean")),
+    ("dr_grpo", dict(aggregation="seq-mean-token-sum-norm")),
+    ("gspo", dict(eps_low=0.05, eps_high=0.05)),
+    ("gspo_token", dict(eps_low=0.05, eps_high=0.05)),
+    ("tepo", dict(beta=0.0, eps_low=0.05, eps_high=0.05)),
+    ("mpo", dict(block_size=2, block_agg="seq-mean-block-mean")),
+    ("mpo", dict(block_size=3, block_agg="token-weighted")),
+]
+
+
+@pytest.mark.parametrize("name,ov", GA_CASES, ids=[f"{n}-{o}" for n, o in GA_CASES])
+@settings(max_examples=10, deadline=None)
+@given(split=st.lists(st.integers(1, 7), min_size=1, max_size=3, unique=True), seed=st.integers(0, 10_000))
+def test_micro_batches_with_global_counts_reproduce_full_batch_loss_and_gradient(name, ov, split, seed):
+    """Summing micro-batch losses computed with the global num_tokens / num_seqs equals the
+    full-batch loss, and the concatenated gradients equal the full-batch gradient."""
+    x = make_inputs(B=8, T=6, seed=seed, noise=0.2)
+    c = cfg(name, **ov)
+    l_full, g_full, _ = run_x(name, x, c)
+    N, S = float(x.mask.sum()), 8.0
+    cuts = [0] + sorted(split) + [8]
+    total, grads = 0.0, []
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        l, g, _ = run(name, x.logp[a:b], x.old[a:b], x.adv[a:b], x.mask[a:b], c, ref_logp=x.ref[a:b],
+                      num_tokens=N, num_seqs=S)
+        total += float(l)
+        grads.append(g)
+    assert_close(total, l_full)
+    assert_close(torch.cat(grads), g_full)
+
+
+# =============================================================================
+# 13. Bad arguments raise ValueError naming the argument and the valid choices
+# =============================================================================
+
+def raises_naming(fn, arg_regex, choices=()):
+    with pytest.raises(ValueError, match=arg_regex) as ei:
+        fn()
+    for ch in choices:
+        assert ch in str(ei.value), f"valid choice {ch!r} not listed in: {ei.value}"
+
+
+def call_with(name, **overrides):
+    """Build the config and call the objective (validation may happen at either point)."""
+    def f():
+        x = make_inputs(B=4, T=5, seed=59, noise=0.1)
+        c = cfg(name, **overrides)
+        torch.manual_seed(0)
+        run_x(name, x, c)
+    return f
+
+
+def test_unknown_aggregation_raises_with_choices():
+    x = make_inputs(B=2, T=3)
+    raises_naming(lambda: tepo.aggregate_loss(x.logp, x.mask, "bogus"), r"mode|aggregation", MODES)
+    raises_naming(call_with("ppo", aggregation="bogus"), r"aggregation", MODES)
+
+
+def test_unknown_kl_estimator_raises_with_choices():
+    x = make_inputs(B=2, T=3)
+    choices = ["k1", "abs", "k2", "k3"]
+    raises_naming(lambda: tepo.kl_penalty(x.logp, x.ref, "bogus"), r"estimator", choices)
+    raises_naming(call_with("grpo", beta=0.1, kl_estimator="bogus"), r"kl_estimator", choices)
+
+
+def test_block_size_below_one_raises():
+    x = make_inputs(B=2, T=3)
+    raises_naming(lambda: tepo.block_log_ratio(x.logp, x.old, x.mask, 0), r"block_size")
+    raises_naming(call_with("mpo", block_size=0), r"block_size")
+
+
+@pytest.mark.parametrize("field", ["eps_low", "eps_high"])
+def test_negative_clip_eps_raises(field):
+    raises_naming(call_with("ppo", **{field: -0.1}), field)
+
+
+@pytest.mark.parametrize("field,choices", [
+    ("block_ratio", ["joint", "geomean"]),
+    ("block_agg", ["seq-mean-block-mean", "block-mean", "token-weighted"]),
+    ("ratio_mode", ["gspo_token", "gmpo"]),
+    ("entropy_criterion", ["cov", "measured"]),
+    ("kl_target", ["old", "ref"]),
+    ("kl_mode", ["soft", "hard"]),
+])
+def test_unknown_string_option_raises_with_choices(field, choices):
+    name = "mpo" if field.startswith("block") else "tepo"
+    raises_naming(call_with(name, beta=1.0, **{field: "bogus"}), field, choices)
+
+
+@pytest.mark.parametrize("name", list(tepo.OBJECTIVES) if hasattr(tepo, "OBJECTIVES") else [])
+def test_mismatched_shapes_raise_naming_the_argument(name):
+    x = make_inputs(B=4, T=5, seed=60, noise=0.1)
+    c = cfg(name)
+    fn = tepo.OBJECTIVES[name]
+    kw = dict(ref_logp=x.ref, entropy=x.ent, old_entropy=x.old_ent)
+    raises_naming(lambda: fn(x.logp.clone().requires_grad_(True), x.old, x.adv, x.mask[:, :4], c, **kw), r"mask")
+    raises_naming(lambda: fn(x.logp.clone().requires_grad_(True), x.old, torch.zeros(5, dtype=F64), x.mask, c, **kw),
+                  r"advantages")
+    raises_naming(lambda: fn(x.logp.clone().requires_grad_(True), x.old[:, :4], x.adv, x.mask, c, **kw), r"old_logp")
+
+
+def test_group_advantages_rejects_partial_groups_and_unknown_scale():
+    r = torch.zeros(7, dtype=F64)
+    raises_naming(lambda: tepo.group_advantages(r, 4), r"group_size|rewards")
+    raises_naming(lambda: tepo.group_advantages(torch.zeros(8, dtype=F64), 4, scale="bogus"), r"scale",
+                  ["group", "batch", "none"])
+    raises_naming(lambda: tepo.dynamic_sampling_mask(r, 4), r"group_size|rewards")
+
+
+def test_config_for_unknown_objective_or_field_raises():
+    raises_naming(lambda: tepo.config_for("bogus"), r"name|objective", list(tepo.OBJECTIVES))
+    raises_naming(lambda: tepo.config_for("grpo", not_a_field=1), r"not_a_field")
+
+
+# =============================================================================
+# 14. Configuration
+# =============================================================================
+
+def test_paper_defaults_cover_every_objective_and_config_for_copies():
+    assert set(tepo.PAPER_DEFAULTS) == set(tepo.OBJECTIVES) == {
+        "ppo", "grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "tepo", "mpo", "clip_cov", "kl_cov"}
+    c = tepo.config_for("dapo", eps_high=0.5)
+    assert c.eps_high == 0.5
+    assert tepo.PAPER_DEFAULTS["dapo"].eps_high == 0.28
+    assert isinstance(c, tepo.ObjectiveConfig)
+
+
+def test_paper_defaults_match_the_papers():
+    d = tepo.PAPER_DEFAULTS
+    assert (d["dapo"].eps_low, d["dapo"].eps_high, d["dapo"].aggregation, d["dapo"].beta) == (0.2, 0.28, "token-mean", 0.0)
+    assert d["dapo"].dynamic_sampling and d["dapo"].overlong_penalty
+    assert (d["gspo"].eps_low, d["gspo"].eps_high, d["gspo"].beta) == (3e-4, 4e-4, 0.0)
+    assert (d["gspo_token"].eps_low, d["gspo_token"].eps_high) == (3e-4, 4e-4)
+    assert d["grpo"].aggregation == "seq-mean-token-mean" and d["grpo"].advantage_scale == "group"
+    assert (d["dr_grpo"].aggregation, d["dr_grpo"].advantage_scale, d["dr_grpo"].beta) == (
+        "seq-mean-token-sum-norm", "none", 0.0)
+    assert (d["clip_cov"].clip_cov_ratio, d["clip_cov"].clip_cov_lb, d["clip_cov"].clip_cov_ub) == (2e-4, 1.0, 5.0)
+    assert d["kl_cov"].kl_cov_ratio == 2e-3 and d["kl_cov"].beta == 1.0
+    t = d["tepo"]
+    assert (t.eps_low, t.eps_high, t.aggregation, t.ratio_mode, t.entropy_criterion, t.kl_target, t.beta) == (
+        3e-4, 4e-4, "token-mean", "gspo_token", "cov", "old", 1.0)
+
+
+def test_needs_ref_and_needs_entropy():
+    assert tepo.needs_ref("grpo", cfg("grpo", beta=0.04))
+    assert not tepo.needs_ref("grpo", cfg("grpo", beta=0.0))
+    assert tepo.needs_ref("tepo", cfg("tepo", beta=1.0, kl_target="ref"))
+    assert not tepo.needs_ref("tepo", cfg("tepo", beta=1.0, kl_target="old"))
+    assert tepo.needs_entropy("tepo", cfg("tepo", entropy_criterion="measured"))
+    assert not tepo.needs_entropy("tepo", cfg("tepo", entropy_criterion="cov"))
+    assert not tepo.needs_entropy("grpo", cfg("grpo"))
+
+
+# =============================================================================
+# 15. train_small.py (to be added by the train_small owner)
+# =============================================================================

@@ -1,0 +1,1025 @@
+"""train_small.py: the whole group-relative RL loop for LLM reasoning in one readable file.
+
+Run `python train_small.py` (no flags, no network, 2 CPU cores, under 10 minutes): it builds a tiny
+GPT-2 with a character vocabulary, makes a synthetic arithmetic word-problem task whose answers end
+in GSM8K's `#### <number>`, gives the model a short supervised warm-up (cached as an ordinary
+Hugging Face model directory), then improves it with RL using any objective of tepo.py.
+The same code path takes a real model and data set: `--model Qwen/Qwen2.5-0.5B-Instruct
+--dataset openai/gsm8k` (the Hugging Face hub must be reachable, or pass local paths).
+
+The loop, one function per step:
+  1. sample prompts              a fixed, seeded order over the training split        (prompts_for_step)
+  2. generate G completions      model.generate with a KV cache, at temperature T     (generate_group)
+  3. score them                  strict `#### n` / lenient last-number parsing        (score_completions)
+  4. advantages                  tepo.group_advantages; DAPO's filter and length cost (compute_advantages)
+  5. old log-probs               recomputed with the update's own forward, no grad    (rollout_statistics)
+  6. update                      several mini-batches per rollout, tepo.OBJECTIVES    (update_policy)
+  7. measure                     entropy change predicted vs measured, eval, logging  (entropy_check, evaluate)
+
+Simplifications, said plainly:
+  - One process, one device, no vLLM, no gradient accumulation across micro-batches: each
+    mini-batch is one optimizer step (num_tokens / num_seqs are that mini-batch's counts).
+  - DAPO's dynamic sampling drops zero-std groups but does NOT sample more prompts to refill the
+    batch: the step trains on fewer groups, and a step whose groups are all dropped makes no update
+    (logged as `dynamic_sampling/skipped` = 1).
+  - Prompts are the question followed by a newline; no chat template is applied.
+  - The reference model (only loaded when tepo.needs_ref says so) is the model RL starts from.
+  - pass@k uses n = k samples per problem, so the unbiased estimator is "any of the k is right".
+  - On this synthetic task more supervised steps raise accuracy more cheaply than RL does: the
+    demo shows RL working, not RL beating supervised training.
+
+Logged metrics (metrics.jsonl, one JSON row per RL step; names follow TRL / verl where they exist):
+  step                          RL step (one rollout = one step; several optimizer steps per step)
+  reward, reward_std            mean and std of the rewards of the rollout (task reward + length cost)
+  accuracy/strict               fraction of completions ending in exactly `#### <right number>`
+  accuracy/lenient              fraction whose last number is the right one
+  frac_reward_zero_std          fraction of groups whose G rewards are all equal (no learning signal)
+  dynamic_sampling/kept_frac    fraction of rows kept by DAPO's filter (1 when the filter is off)
+  dynamic_sampling/skipped      1 when every group was dropped and no update was made
+  completions/mean_length       mean completion length in tokens, end token included
+  completions/clipped_ratio     fraction of completions cut at max_new_tokens without an end token
+  entropy                       full-vocabulary entropy of the rollout policy, token-weighted mean
+                                over completion tokens (not the mean -log p of sampled tokens)
+  cov/logp_adv                  Cov(log pi, A) over completion tokens (tepo.token_covariance mean):
+                                positive values drive entropy down
+  entropy_change/predicted      first-order prediction -Cov_p(log p, z_after - z_before) of the
+                                entropy change caused by this step's updates (mean over positions)
+  entropy_change/measured       H(after) - H(before) at the same positions
+  loss, pg_loss, kl_loss        the objective's loss and parts, mean over the step's mini-batches
+  clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean
+                                fraction of tokens clipped below / above / either (mean over mini-batches)
+  ratio/mean, ratio/min, ratio/max    importance ratio the objective clips (min and max over mini-batches)
+  kl_old/k1, kl_old/k3          KL(pi_old || pi_theta) estimated on the rollout tokens (verl ppo_kl)
+  kl_ref                        k3 KL to the reference model (only when one is loaded)
+  kl_mask/frac, kl_mask/penalty TEPO: fraction of tokens under the KL mask, mean masked penalty
+  on_policy                     fraction of mini-batches whose ratios were all exactly 1
+  logprobs/first_minibatch_max_abs_log_ratio   max |log pi - log pi_old| on the first mini-batch,
+                                before any optimizer step: must be ~0 (exactly 0 on CPU)
+  logprobs/sampling_vs_recomputed_max_abs      max |log-prob seen by generate - recomputed old
+                                log-prob| (only when --check-sampling-logprobs): ~1e-6 when
+                                positions, padding and temperature are right
+  grad_norm                     gradient norm before clipping, mean over mini-batches
+  timing/generate, timing/reward, timing/update, step_time     seconds per phase and per step
+  perf/tokens_per_second        completion tokens generated / step_time
+  perf/peak_memory_mb           peak GPU memory (CUDA) or peak resident memory of the process (CPU)
+  eval/accuracy                 held-out accuracy, greedy decoding, strict parsing (every --eval-every)
+  eval/accuracy_lenient         same, lenient parsing
+  eval/pass@k                   fraction of held-out problems with at least one of k samples right
+
+Not a library: import it only to call main(argv) or the small helpers in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import hashlib
+import inspect
+import json
+import math
+import os
+import random
+import re
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+
+import torch
+
+import tepo
+
+
+# =====================================================================================================
+# 0. Configuration
+# =====================================================================================================
+
+@dataclass
+class Args:
+    # --- run ---
+    objective: str = "tepo"             # any key of tepo.OBJECTIVES (paper defaults from tepo.PAPER_DEFAULTS)
+    seed: int = 1                       # seeds python, torch, the task split and generation
+    out: str | None = None              # run directory (default runs/<task>__<objective>__<seed>__<time>)
+    device: str = "auto"                # auto (cuda if available) | cpu | cuda
+    threads: int = 2                    # torch CPU threads (the machine is shared)
+    steps: int = 200                    # RL steps (one rollout each)
+    save_every: int = 50                # checkpoint every N steps (and at the end)
+    # --- model ---
+    model: str | None = None            # causal-LM id or local path; None = built-in tiny model
+    trust_remote_code: bool = False     # allow custom model code from the hub (off by default)
+    arch: str = "gpt2"                  # built-in model architecture: gpt2 | qwen2
+    n_layer: int = 4                    # built-in model: transformer layers
+    n_embd: int = 128                   # built-in model: width
+    n_head: int = 4                     # built-in model: attention heads
+    gradient_checkpointing: bool = False  # CUDA only: recompute activations in backward to save memory
+    # --- task ---
+    dataset: str | None = None          # openai/gsm8k, a local dataset dir or a .jsonl; None = built-in arithmetic
+    difficulty: int = 9                 # built-in task: largest operand
+    n_train: int = 4000                 # built-in task: training problems
+    n_test: int = 200                   # held-out problems used by evaluation
+    # --- supervised warm-up ---
+    warmup_steps: int = 300             # supervised steps before RL (built-in model; cached); 0 = none
+    warmup_lr: float = 2e-3             # warm-up learning rate
+    warmup_batch: int = 32              # warm-up batch size (sequences)
+    # --- rollout ---
+    prompts_per_step: int = 16          # prompts per rollout
+    group_size: int = 8                 # G completions per prompt
+    temperature: float = 1.0            # sampling temperature (log-probs are computed at the same one)
+    max_new_tokens: int = 24            # completion length limit (tokens)
+    max_prompt_tokens: int = 256        # prompts longer than this are cut from the left
+    reward: str = "strict"              # which parsing gives reward 1: strict | lenient
+    overlong_cache: int = 6             # DAPO soft overlong punishment: length of the penalty ramp
+    # --- update ---
+    lr: float = 1e-4                    # RL learning rate (Adam, beta2 0.999, no weight decay)
+    mini_batches: int = 2               # optimizer steps per rollout per epoch (>= 2 lets clipping act)
+    epochs: int = 1                     # passes over each rollout
+    max_grad_norm: float = 1.0          # gradient clipping
+    # --- measurement ---
+    eval_every: int = 100               # held-out evaluation every N steps (and at step 0 and the end)
+    pass_k: int = 4                     # k of pass@k
+    pass_k_problems: int = 64           # held-out problems used for pass@k
+    entropy_check_rows: int = 64        # completions used for the predicted-vs-measured entropy check
+    check_sampling_logprobs: bool = True  # compare generate's log-probs with the recomputed ones
+    target_accuracy: float = 0.45       # --compare: steps needed to reach this held-out accuracy
+    # --- modes ---
+    resume: str | None = None           # continue the run in this directory from its checkpoint
+    compare: str | None = None          # comma-separated objectives to run on the same task and seeds
+    seeds: int = 1                      # --compare: number of seeds (seed, seed+1, ...)
+    bench: bool = False                 # time one RL step against TRL's GRPOTrainer and exit
+    bench_steps: int = 3                # --bench: timed steps (after one untimed step)
+    stop_after: int | None = None       # stop after this step as if interrupted (testing --resume)
+
+
+# The built-in task's objective overrides, applied on top of tepo.PAPER_DEFAULTS only when the
+# built-in tiny model AND the built-in task are used (recorded in config.json as builtin_overrides).
+# Why: see the comment block at the end of measurements in the README / report. Empty = paper defaults.
+BUILTIN_OVERRIDES: dict[str, dict] = {}
+
+# Fields of Args that only say how to run, not what is computed: they are not compared on resume.
+RUN_ONLY_FIELDS = ("resume", "stop_after", "compare", "seeds", "bench", "bench_steps", "out", "threads")
+
+
+def field_comments(cls) -> dict[str, str]:
+    """The one-line comment of each dataclass field, read from the source: the --help text."""
+    comments = {}
+    for line in inspect.getsource(cls).splitlines():
+        m = re.match(r"\s+(\w+)\s*:[^#]*#\s*(.*)$", line)
+        if m:
+            comments[m.group(1)] = m.group(2).strip()
+    return comments
+
+
+OBJECTIVE_CHOICES = {      # the str fields of tepo.ObjectiveConfig and their valid values
+    "kl_estimator": tepo.KL_ESTIMATORS, "aggregation": tepo.AGGREGATIONS,
+    "advantage_scale": tepo.ADVANTAGE_SCALES, "ratio_mode": tepo.RATIO_MODES,
+    "entropy_criterion": tepo.ENTROPY_CRITERIA, "kl_target": tepo.KL_TARGETS, "kl_mode": tepo.KL_MODES,
+    "block_ratio": tepo.BLOCK_RATIOS, "block_agg": tepo.BLOCK_AGGREGATIONS,
+}
+
+
+def optional_float(text: str):
+    return None if text.lower() == "none" else float(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Flags for every field of Args and of tepo.ObjectiveConfig, generated from the dataclasses."""
+    parser = argparse.ArgumentParser(
+        description="Group-relative RL (GRPO, DAPO, GSPO, TEPO, ...) on a tiny model in one file.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    helps = field_comments(Args)
+    choices = {"objective": sorted(tepo.OBJECTIVES), "device": ["auto", "cpu", "cuda"],
+               "arch": ["gpt2", "qwen2"], "reward": ["strict", "lenient"]}
+    for f in dataclasses.fields(Args):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helps[f.name])
+            continue
+        kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+        parser.add_argument(flag, type=kind, default=f.default, choices=choices.get(f.name), help=helps[f.name])
+    parser.error = fail   # argparse's own errors (bad choice, bad type) become one line too
+    group = parser.add_argument_group("objective settings (default: the objective's paper defaults, "
+                                      "tepo.PAPER_DEFAULTS; plus BUILTIN_OVERRIDES on the built-in task)")
+    obj_helps = field_comments(tepo.ObjectiveConfig)
+    for f in dataclasses.fields(tepo.ObjectiveConfig):
+        flag = "--" + f.name.replace("_", "-")
+        text = obj_helps.get(f.name, f.name)
+        if isinstance(f.default, bool):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+        elif f.name in OBJECTIVE_CHOICES:
+            group.add_argument(flag, choices=OBJECTIVE_CHOICES[f.name], default=None, help=text)
+        elif "None" in str(f.type):
+            group.add_argument(flag, type=optional_float, default=None, help=text + " ('none' allowed)")
+        else:
+            group.add_argument(flag, type=type(f.default), default=None, help=text)
+    return parser
+
+
+def fail(message: str) -> None:
+    """A user mistake: one line on stderr, exit status 2, no traceback."""
+    print(f"train_small.py: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def parse_args(argv=None) -> tuple[Args, dict]:
+    """Parse and validate the command line. Returns (args, objective overrides from flags)."""
+    parser = build_parser()
+    ns = vars(parser.parse_args(argv))
+    args = Args(**{f.name: ns[f.name] for f in dataclasses.fields(Args)})
+    obj_overrides = {f.name: ns[f.name] for f in dataclasses.fields(tepo.ObjectiveConfig) if ns[f.name] is not None}
+    checks = [("steps", args.steps >= 1, "an integer >= 1"), ("prompts-per-step", args.prompts_per_step >= 1, "an integer >= 1"),
+              ("group-size", args.group_size >= 2, "an integer >= 2 (a group needs a baseline)"),
+              ("mini-batches", args.mini_batches >= 1, "an integer >= 1"), ("epochs", args.epochs >= 1, "an integer >= 1"),
+              ("lr", args.lr > 0, "a number > 0"), ("warmup-lr", args.warmup_lr > 0, "a number > 0"),
+              ("warmup-steps", args.warmup_steps >= 0, "an integer >= 0"), ("temperature", args.temperature > 0, "a number > 0"),
+              ("max-new-tokens", args.max_new_tokens >= 1, "an integer >= 1"), ("pass-k", args.pass_k >= 1, "an integer >= 1 (K)"),
+              ("eval-every", args.eval_every >= 1, "an integer >= 1"), ("save-every", args.save_every >= 1, "an integer >= 1"),
+              ("difficulty", args.difficulty >= 1, "an integer >= 1"), ("n-test", args.n_test >= 1, "an integer >= 1"),
+              ("n-train", args.n_train >= 1, "an integer >= 1"), ("threads", args.threads >= 1, "an integer >= 1"),
+              ("seeds", args.seeds >= 1, "an integer >= 1"), ("max-grad-norm", args.max_grad_norm > 0, "a number > 0"),
+              ("overlong-cache", 0 < args.overlong_cache <= args.max_new_tokens, "an integer in 1..max-new-tokens"),
+              ("n-embd", args.n_embd % args.n_head == 0, "a multiple of --n-head")]
+    for name, ok, valid in checks:
+        if not ok:
+            fail(f"argument --{name}: invalid value {getattr(args, name.replace('-', '_'))!r}; choose {valid}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("argument --device: invalid value 'cuda': CUDA is not available here; choose auto or cpu")
+    for name in ("resume", "dataset", "model"):
+        value = getattr(args, name)
+        looks_local = value is not None and (value.startswith((".", "/", "~")) or value.endswith(".jsonl")
+                                             or name == "resume")
+        if looks_local and not os.path.exists(os.path.expanduser(value)):
+            fail(f"argument --{name}: path {value!r} does not exist; give an existing path"
+                 + ("" if name == "resume" else " or a Hugging Face id"))
+    if args.compare:
+        bad = [o for o in args.compare.split(",") if o not in tepo.OBJECTIVES]
+        if bad:
+            fail(f"argument --compare: invalid objective {bad[0]!r}; choose from {', '.join(sorted(tepo.OBJECTIVES))}")
+    try:
+        tepo.config_for(args.objective, **obj_overrides)
+    except ValueError as e:
+        fail(str(e))
+    return args, obj_overrides
+
+
+def objective_config(args: Args, obj_overrides: dict) -> tuple[tepo.ObjectiveConfig, dict]:
+    """Paper defaults, then the built-in task's overrides (built-in model and task only), then flags."""
+    builtin = BUILTIN_OVERRIDES.get(args.objective, {}) if (args.model is None and args.dataset is None) else {}
+    return tepo.config_for(args.objective, **{**builtin, **obj_overrides}), builtin
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)          # also seeds CUDA; generation samples from this generator
+
+
+# =====================================================================================================
+# 1. The task: built-in arithmetic word problems, or GSM8K-style data
+# =====================================================================================================
+
+NAMES = ["Ann", "Bob", "Cal", "Dee", "Eve", "Fay", "Gus", "Hal", "Ivy", "Jon"]
+ITEMS = ["apple", "pen", "cup", "book", "egg", "coin", "card", "shell"]
+
+
+def make_arithmetic_task(difficulty: int, n_train: int, n_test: int, seed: int):
+    """One-step word problems with GSM8K-style worked answers ending in `#### <number>`.
+
+    difficulty = the largest operand. Questions are unique, and the test split never shares a
+    question with the training split; both are fixed by the seed.
+    """
+    import datasets
+    rng = random.Random(f"arithmetic-{seed}-{difficulty}")
+    seen, rows = set(), []
+    n_possible = len(NAMES) * len(ITEMS) * 3 * difficulty * difficulty
+    while len(rows) < min(n_train + n_test, n_possible // 2):
+        name, item = rng.choice(NAMES), rng.choice(ITEMS)
+        a, b, op = rng.randint(1, difficulty), rng.randint(1, difficulty), rng.choice("+-*")
+        if op == "+":
+            q, c = f"{name} has {a} {item}s and gets {b} more. How many {item}s now?", a + b
+        elif op == "-":
+            a, b = max(a, b), min(a, b)
+            q, c = f"{name} has {a} {item}s and gives away {b}. How many are left?", a - b
+        else:
+            q, c = f"{name} has {a} bags of {b} {item}s. How many {item}s in all?", a * b
+        if q not in seen:
+            seen.add(q)
+            rows.append({"question": q, "answer": f"{a}{op}{b}={c}\n#### {c}"})
+    test, train = rows[:n_test], rows[n_test:]
+    return datasets.DatasetDict({"train": datasets.Dataset.from_list(train),
+                                 "test": datasets.Dataset.from_list(test)})
+
+
+def load_task(args: Args):
+    """A DatasetDict with train/test splits of question/answer records."""
+    if args.dataset is None:
+        return make_arithmetic_task(args.difficulty, args.n_train, args.n_test, args.seed)
+    import datasets
+    path = os.path.expanduser(args.dataset)
+    try:
+        if path.endswith(".jsonl") or path.endswith(".json"):
+            data = datasets.load_dataset("json", data_files=path)
+        elif os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_dict.json")):
+            data = datasets.load_from_disk(path)
+        elif os.path.isdir(path):
+            data = datasets.load_dataset(path)
+        else:
+            data = datasets.load_dataset(args.dataset, "main" if args.dataset.endswith("gsm8k") else None)
+    except Exception as e:  # noqa: BLE001 -- any loading failure is a user-facing one-liner
+        fail(f"could not load dataset {args.dataset!r} ({type(e).__name__}: {str(e).splitlines()[0][:150]}); "
+             f"the Hugging Face hub may be unreachable: run without --dataset for the built-in task")
+    if isinstance(data, datasets.Dataset):
+        data = datasets.DatasetDict({"train": data})
+    if not {"question", "answer"} <= set(data["train"].column_names):
+        fail(f"dataset {args.dataset!r} has columns {data['train'].column_names}; need question and answer")
+    if "test" not in data:   # a fixed, seeded held-out split
+        data = data["train"].train_test_split(test_size=min(args.n_test, len(data["train"]) // 5), seed=args.seed)
+    return data
+
+
+def format_prompt(question: str) -> str:
+    return question.strip() + "\n"
+
+
+# ---- answer parsing: regular expressions only, never eval/exec -----------------------------------
+# A number: optional minus, digits with optional thousands separators ("1,234"), optional decimals.
+NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
+STRICT_ANSWER = re.compile(r"####\s*(" + NUMBER + r")\s*$")
+ANY_NUMBER = re.compile(NUMBER)
+
+
+def to_number(text: str | None) -> Decimal | None:
+    """'1,234' -> Decimal('1234'); '12.0' == '12'. None when there is no number."""
+    if text is None:
+        return None
+    try:
+        return Decimal(text.replace(",", ""))
+    except InvalidOperation:
+        return None
+
+
+def parse_strict(text: str) -> Decimal | None:
+    """The number after a final `#### ` (GSM8K's format), nothing else may follow."""
+    m = STRICT_ANSWER.search(text)
+    return to_number(m.group(1)) if m else None
+
+
+def parse_lenient(text: str) -> Decimal | None:
+    """The last number anywhere in the text."""
+    last = None
+    for last in ANY_NUMBER.finditer(text):
+        pass
+    return to_number(last.group(0)) if last else None
+
+
+def gold_answer(answer_text: str) -> Decimal | None:
+    return parse_strict(answer_text.strip()) or parse_lenient(answer_text)
+
+
+def score_completions(texts: list[str], golds: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """(strict_correct[B], lenient_correct[B]) as float tensors of 0/1."""
+    strict = [float(g is not None and parse_strict(t) == g) for t, g in zip(texts, golds)]
+    lenient = [float(g is not None and parse_lenient(t) == g) for t, g in zip(texts, golds)]
+    return torch.tensor(strict), torch.tensor(lenient)
+
+
+# =====================================================================================================
+# 2. The model: a tiny built-in one (warmed up and cached) or any causal LM
+# =====================================================================================================
+
+END = "<|endoftext|>"   # end of sequence AND padding, as in GPT-2: the end token must still be trained
+
+
+def build_char_tokenizer(texts):
+    """A character-level tokenizer made locally with `tokenizers`, wrapped for transformers."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    chars = sorted(set("".join(texts)) | set("0123456789+-*/=#.,:?! \n"))
+    vocab = {END: 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one token per character
+    tok.decoder = decoders.Fuse()                                                      # join without spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=END, pad_token=END, unk_token="<unk>",
+                                   padding_side="left", clean_up_tokenization_spaces=False)
+
+
+def build_tiny_model(args: Args, tokenizer):
+    """A small causal LM from a transformers config, dropout off (ratios must be 1 on-policy)."""
+    from transformers import AutoModelForCausalLM, GPT2Config, Qwen2Config
+    eos = tokenizer.eos_token_id
+    common = dict(vocab_size=len(tokenizer), bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    if args.arch == "gpt2":
+        config = GPT2Config(n_positions=args.max_prompt_tokens + args.max_new_tokens + 8, n_embd=args.n_embd,
+                            n_layer=args.n_layer, n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
+                            attn_pdrop=0.0, **common)
+    else:
+        config = Qwen2Config(hidden_size=args.n_embd, intermediate_size=4 * args.n_embd,
+                             num_hidden_layers=args.n_layer, num_attention_heads=args.n_head,
+                             num_key_value_heads=args.n_head, tie_word_embeddings=True,
+                             max_position_embeddings=args.max_prompt_tokens + args.max_new_tokens + 8, **common)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def warmup_cache_dir(args: Args) -> str:
+    """runs/cache/warmup-<hash of everything that determines the warmed-up weights>."""
+    keys = ("arch", "n_layer", "n_embd", "n_head", "difficulty", "n_train", "n_test", "warmup_steps",
+            "warmup_lr", "warmup_batch", "max_prompt_tokens", "max_new_tokens", "seed")
+    blob = json.dumps({k: getattr(args, k) for k in keys} | {"version": 1}, sort_keys=True)
+    return os.path.join("runs", "cache", "warmup-" + hashlib.sha1(blob.encode()).hexdigest()[:12])
+
+
+def sft_batch(tokenizer, questions, answers, device):
+    """Prompt + answer + end token, right-padded; labels only on answer and end tokens."""
+    rows = []
+    for q, a in zip(questions, answers):
+        p = tokenizer(format_prompt(q)).input_ids
+        c = tokenizer(a, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        rows.append((p + c, [-100] * len(p) + c))
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    labels = torch.full((len(rows), width), -100)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (x, y) in enumerate(rows):
+        ids[i, :len(x)], labels[i, :len(y)], attn[i, :len(x)] = torch.tensor(x), torch.tensor(y), 1
+    return ids.to(device), attn.to(device), labels.to(device)
+
+
+def supervised_warmup(model, tokenizer, train, args: Args, device):
+    """A short supervised phase so the policy starts with partial accuracy (RL needs some reward)."""
+    from tqdm.auto import tqdm
+    gen = torch.Generator().manual_seed(args.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.warmup_lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.9 * s / max(1, args.warmup_steps))
+    model.train()
+    bar = tqdm(range(args.warmup_steps), desc="warm-up", dynamic_ncols=True)
+    for _ in bar:
+        idx = torch.randint(len(train), (args.warmup_batch,), generator=gen).tolist()
+        rows = train.select(idx)
+        ids, attn, labels = sft_batch(tokenizer, list(rows["question"]), list(rows["answer"]), device)
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    model.eval()
+
+
+def save_pretrained_atomically(model, tokenizer, final_dir: str) -> None:
+    """save_pretrained into a temporary directory, then os.replace: a crash never leaves half a model."""
+    parent = os.path.dirname(final_dir) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=".tmp-")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if os.path.isdir(final_dir):       # someone else finished first, or an old copy: replace it
+        shutil.rmtree(final_dir)
+    os.replace(tmp, final_dir)
+
+
+def prepare_start_model(args: Args, task, device) -> str:
+    """The directory or id RL starts from: --model, or the warmed-up built-in model (cached)."""
+    if args.model is not None:
+        return args.model
+    cache = warmup_cache_dir(args)
+    if os.path.exists(os.path.join(cache, "config.json")):
+        return cache
+    texts = list(task["train"]["question"]) + list(task["train"]["answer"]) + list(task["test"]["question"])
+    tokenizer = build_char_tokenizer(texts)
+    torch.manual_seed(args.seed)
+    model = build_tiny_model(args, tokenizer).to(device)
+    if args.warmup_steps > 0:
+        supervised_warmup(model, tokenizer, task["train"], args, device)
+    save_pretrained_atomically(model.cpu(), tokenizer, cache)
+    return cache
+
+
+def load_policy(path: str, args: Args, device):
+    """Model and tokenizer from an id or directory; one-line error if it cannot be had."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=args.trust_remote_code, dtype=dtype)
+    except Exception as e:  # noqa: BLE001 -- any loading failure is a user-facing one-liner
+        fail(f"could not load model {path!r} ({type(e).__name__}: {str(e).splitlines()[0][:150]}); "
+             f"the Hugging Face hub may be unreachable: run without --model for the built-in tiny model")
+    tokenizer.padding_side, tokenizer.truncation_side = "left", "left"   # generation needs left padding
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    # Sampling must be plain softmax(z / T): a model's own generation defaults (top_k, top_p,
+    # repetition penalty) would change the distribution and the log-probs would no longer describe it.
+    model.generation_config = GenerationConfig(pad_token_id=tokenizer.pad_token_id,
+                                               eos_token_id=tokenizer.eos_token_id)
+    for module in model.modules():   # dropout off (GPT-2 defaults to 0.1): on-policy ratios must be 1
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    model.to(device).eval()
+    if args.gradient_checkpointing and device.type == "cuda":
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    return model, tokenizer
+
+
+# =====================================================================================================
+# 3-5. Rollout: prompts, generation, rewards, advantages
+# =====================================================================================================
+
+def prompts_for_step(step: int, n_train: int, args: Args) -> list[int]:
+    """Training-set indices of this step's prompts: a seeded permutation per pass over the data,
+    a function of (seed, step) only, so a resumed run draws the same prompts."""
+    per_epoch = max(1, n_train // args.prompts_per_step)
+    epoch, slot = divmod(step - 1, per_epoch)
+    perm = torch.randperm(n_train, generator=torch.Generator().manual_seed(args.seed * 100_003 + epoch))
+    return perm[slot * args.prompts_per_step:(slot + 1) * args.prompts_per_step].tolist()
+
+
+def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
+    """1 up to and INCLUDING the first end token, 0 after it.                          [B, T] -> [B, T]
+
+    Built from token positions, not from `id != pad_id`: when pad id == eos id (GPT-2) that test
+    would drop the end token from the loss and the model would never learn to stop.
+    """
+    is_end = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
+    ends_before = is_end.long().cumsum(1) - is_end.long()      # end tokens strictly before position t
+    return (ends_before == 0).long()
+
+
+def eos_ids_of(tokenizer, model) -> list[int]:
+    ids = model.generation_config.eos_token_id
+    ids = ids if isinstance(ids, list) else [ids]
+    return sorted({i for i in ids + [tokenizer.eos_token_id] if i is not None})
+
+
+def autocast(device):
+    """bf16 autocast on CUDA; nothing on CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+@torch.no_grad()
+def generate_group(model, tokenizer, questions: list[str], group_size: int, args: Args, device,
+                   greedy: bool = False, want_logprobs: bool = False) -> dict:
+    """G completions per prompt with model.generate (KV cache). Groups are contiguous rows.
+
+    Returns prompt_ids/prompt_mask [B, P] (left-padded), completion_ids/completion_mask [B, T],
+    and, if asked, the log-probs of the sampled tokens as generate saw them, at temperature T.
+    """
+    enc = tokenizer([format_prompt(q) for q in questions], return_tensors="pt", padding=True,
+                    truncation=True, max_length=args.max_prompt_tokens)
+    prompt_ids = enc.input_ids.repeat_interleave(group_size, 0).to(device)         # [B, P]
+    prompt_mask = enc.attention_mask.repeat_interleave(group_size, 0).to(device)   # [B, P]
+    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=args.temperature,
+                                                         top_k=0, top_p=1.0)
+    with autocast(device):
+        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=args.max_new_tokens,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids_of(tokenizer, model),
+                             return_dict_in_generate=True, output_logits=want_logprobs, use_cache=True, **sampling)
+    completion_ids = out.sequences[:, prompt_ids.shape[1]:]                         # [B, T]
+    mask = completion_mask(completion_ids, eos_ids_of(tokenizer, model))
+    batch = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                 completion_mask=mask, truncated=(mask.sum(1) == completion_ids.shape[1])
+                 & ~torch.isin(completion_ids[:, -1], torch.tensor(eos_ids_of(tokenizer, model), device=device)))
+    if want_logprobs:
+        logits = torch.stack(out.logits, 1)                                         # [B, T, V] raw
+        batch["sampling_logp"] = tepo.token_logprobs_from_logits(logits, completion_ids, args.temperature)
+    return batch
+
+
+def compute_rewards(batch: dict, texts: list[str], golds: list, args: Args, cfg: tepo.ObjectiveConfig) -> dict:
+    """Task reward (1 if right under --reward parsing, else 0) plus DAPO's soft length cost."""
+    strict, lenient = score_completions(texts, golds)
+    rewards = (strict if args.reward == "strict" else lenient).clone()
+    if cfg.overlong_penalty:
+        lengths = batch["completion_mask"].sum(1).float().cpu()
+        rewards = rewards + tepo.soft_overlong_punishment(lengths, args.max_new_tokens, args.overlong_cache)
+    return dict(rewards=rewards, strict=strict, lenient=lenient)
+
+
+def compute_advantages(rewards: torch.Tensor, args: Args, cfg: tepo.ObjectiveConfig):
+    """Group-relative advantages [B] and the rows to train on (DAPO's dynamic sampling filter)."""
+    adv = tepo.group_advantages(rewards, args.group_size, cfg.advantage_scale, cfg.adv_eps)
+    keep = (tepo.dynamic_sampling_mask(rewards, args.group_size) if cfg.dynamic_sampling
+            else torch.ones_like(rewards, dtype=torch.bool))
+    return adv, keep
+
+
+# =====================================================================================================
+# 5-6. Log-probs and the update
+# =====================================================================================================
+
+def completion_logits(model, batch: dict, rows, device) -> torch.Tensor:
+    """Logits at the completion positions only (prompt logits are never materialised).   [b, T, V]
+
+    Left padding + absolute positions: position_ids = cumsum(attention_mask) - 1, exactly as
+    generate did, otherwise every log-prob is off (by up to 14 nats on GPT-2).
+    """
+    ids = torch.cat([batch["prompt_ids"][rows], batch["completion_ids"][rows]], 1)       # [b, P+T]
+    attn = torch.cat([batch["prompt_mask"][rows], batch["completion_mask"][rows]], 1)    # [b, P+T]
+    position_ids = (attn.cumsum(1) - 1).clamp(min=0)
+    T = batch["completion_ids"].shape[1]
+    with autocast(device):
+        # logits_to_keep=T+1: the last T+1 positions; position P-1+t predicts completion token t.
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids,
+                       logits_to_keep=T + 1, use_cache=False).logits
+    return logits[:, :-1]
+
+
+@torch.no_grad()
+def rollout_statistics(model, ref_model, batch: dict, adv: torch.Tensor, args: Args, device, check_rows: int) -> dict:
+    """Old (and reference) log-probs, entropy and Cov(log pi, A) with the update's own forward."""
+    B = batch["completion_ids"].shape[0]
+    mask = batch["completion_mask"]
+    old_logp, ref_logp, entropy, before = [], [], [], []
+    chunk = max(1, math.ceil(B / args.mini_batches))
+    for start in range(0, B, chunk):
+        rows = torch.arange(start, min(B, start + chunk), device=device)
+        logits = completion_logits(model, batch, rows, device)                         # [b, T, V]
+        old_logp.append(tepo.token_logprobs_from_logits(logits, batch["completion_ids"][rows], args.temperature))
+        entropy.append(tepo.entropy_from_logits(logits, args.temperature))
+        if start < check_rows:   # keep the "before" logits of the rows used for the entropy check
+            before.append(logits[:max(0, check_rows - start)].float())
+        if ref_model is not None:
+            ref_logits = completion_logits(ref_model, batch, rows, device)
+            ref_logp.append(tepo.token_logprobs_from_logits(ref_logits, batch["completion_ids"][rows], args.temperature))
+    old_logp, entropy = torch.cat(old_logp), torch.cat(entropy)                        # [B, T]
+    return dict(old_logp=old_logp, entropy=entropy, ref_logp=torch.cat(ref_logp) if ref_logp else None,
+                logits_before=torch.cat(before) if before else None,
+                entropy_mean=tepo.masked_mean(entropy, mask).item(),
+                cov=tepo.masked_mean(tepo.token_covariance(old_logp, adv.to(device), mask), mask).item())
+
+
+def update_policy(model, optimizer, objective, cfg, batch: dict, stats: dict, adv: torch.Tensor,
+                  keep: torch.Tensor, args: Args, device) -> dict:
+    """Several optimizer steps on one rollout: `epochs` passes of `mini_batches` shuffled mini-batches."""
+    rows_all = keep.nonzero().squeeze(1).to(device)
+    adv = adv.to(device)
+    collected, first_dev = [], None
+    if args.gradient_checkpointing and device.type == "cuda":
+        model.train()   # transformers checkpoints only in train mode; dropout was zeroed in load_policy
+    for _ in range(args.epochs):
+        perm = rows_all[torch.randperm(len(rows_all)).to(device)]
+        for rows in perm.tensor_split(min(args.mini_batches, len(perm))):
+            mask = batch["completion_mask"][rows]
+            logits = completion_logits(model, batch, rows, device)                     # [b, T, V]
+            logp = tepo.token_logprobs_from_logits(logits, batch["completion_ids"][rows], args.temperature)
+            entropy = tepo.entropy_from_logits(logits.detach(), args.temperature) if tepo.needs_entropy(args.objective, cfg) else None
+            ref = stats["ref_logp"][rows] if stats["ref_logp"] is not None else None
+            loss, metrics = objective(logp, stats["old_logp"][rows], adv[rows], mask, cfg, ref_logp=ref,
+                                      entropy=entropy, old_entropy=stats["entropy"][rows] if entropy is not None else None,
+                                      num_tokens=mask.sum().item(), num_seqs=float(len(rows)))
+            if first_dev is None:   # before any optimizer step: must be exactly on-policy
+                delta = (logp.detach() - stats["old_logp"][rows]).abs()
+                first_dev = torch.where(mask.bool(), delta, torch.zeros_like(delta)).max().item()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+            optimizer.step()
+            collected.append(metrics)
+    model.eval()
+    out = {}
+    for key in (collected[0] if collected else {}):
+        values = [m[key] for m in collected]
+        out[key] = min(values) if key == "ratio/min" else max(values) if key == "ratio/max" else sum(values) / len(values)
+    out["logprobs/first_minibatch_max_abs_log_ratio"] = first_dev
+    return out
+
+
+@torch.no_grad()
+def entropy_check(model, batch: dict, stats: dict, args: Args, device, check_rows: int) -> tuple[float, float]:
+    """Predicted vs measured entropy change of this step's updates, at the same completion positions
+    (tepo.entropy_change_prediction: -Cov_p(log p, z_after - z_before) against H_after - H_before)."""
+    if stats["logits_before"] is None:
+        return float("nan"), float("nan")
+    rows = torch.arange(check_rows, device=device)
+    after = completion_logits(model, batch, rows, device).float()
+    predicted, measured = tepo.entropy_change_prediction(stats["logits_before"], after, args.temperature)
+    mask = batch["completion_mask"][rows]
+    return tepo.masked_mean(predicted, mask).item(), tepo.masked_mean(measured, mask).item()
+
+
+# =====================================================================================================
+# 7. Evaluation, checkpoints, the run
+# =====================================================================================================
+
+@torch.no_grad()
+def evaluate(model, tokenizer, test, args: Args, device) -> dict:
+    """Held-out accuracy with greedy decoding (strict and lenient) and pass@k with sampling."""
+    strict_all, lenient_all = [], []
+    for start in range(0, len(test), 128):
+        rows = test.select(range(start, min(len(test), start + 128)))
+        batch = generate_group(model, tokenizer, list(rows["question"]), 1, args, device, greedy=True)
+        s, l = score_completions(decode(tokenizer, batch), [gold_answer(a) for a in list(rows["answer"])])
+        strict_all.append(s), lenient_all.append(l)
+    rows = test.select(range(min(len(test), args.pass_k_problems)))
+    batch = generate_group(model, tokenizer, list(rows["question"]), args.pass_k, args, device)
+    texts = decode(tokenizer, batch)
+    s, _ = score_completions(texts, [gold_answer(a) for a in list(rows["answer"]) for _ in range(args.pass_k)])
+    return {"eval/accuracy": torch.cat(strict_all).mean().item(), "eval/accuracy_lenient": torch.cat(lenient_all).mean().item(),
+            f"eval/pass@{args.pass_k}": s.view(-1, args.pass_k).amax(1).mean().item()}
+
+
+def decode(tokenizer, batch: dict) -> list[str]:
+    """Completion texts, with everything after the end token removed."""
+    ids = torch.where(batch["completion_mask"].bool(), batch["completion_ids"], tokenizer.pad_token_id)
+    return tokenizer.batch_decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(run_dir: str, model, optimizer, step: int) -> None:
+    """model, optimizer, RNG states and step, written to a temp file then os.replace'd (atomic)."""
+    path = os.path.join(run_dir, "checkpoint.pt")
+    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".checkpoint-")
+    os.close(fd)
+    with open(tmp, "wb") as f:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng_state(),
+                    "step": step}, f)
+    os.replace(tmp, path)
+
+
+def peak_memory_mb(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # Linux: KiB
+
+
+def pearson(x: list[float], y: list[float]) -> float:
+    pairs = [(a, b) for a, b in zip(x, y) if math.isfinite(a) and math.isfinite(b)]
+    if len(pairs) < 3:
+        return float("nan")
+    xs, ys = torch.tensor(pairs, dtype=torch.float64).T
+    return torch.corrcoef(torch.stack([xs, ys]))[0, 1].item()
+
+
+def run_name(args: Args) -> str:
+    task = "arith" if args.dataset is None else os.path.basename(args.dataset.rstrip("/")).replace(".jsonl", "")
+    return f"{task}__{args.objective}__{args.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def train(args: Args, obj_overrides: dict) -> dict:
+    """One RL run. Returns the summary (also written to <run dir>/summary.json)."""
+    from tqdm.auto import tqdm
+    t_start = time.time()
+    torch.set_num_threads(args.threads)
+    resume_dir = args.resume
+    if resume_dir:   # the saved configuration wins; only how-to-run fields come from the command line
+        saved = json.load(open(os.path.join(resume_dir, "config.json")))
+        run_only = {k: getattr(args, k) for k in RUN_ONLY_FIELDS}
+        args = Args(**{**saved["args"], **run_only, "out": resume_dir})
+        obj_overrides = saved["objective_overrides"]
+    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
+    cfg, builtin = objective_config(args, obj_overrides)
+    objective = tepo.OBJECTIVES[args.objective]
+    run_dir = args.out or os.path.join("runs", run_name(args))
+    os.makedirs(run_dir, exist_ok=True)
+
+    seed_everything(args.seed)
+    task = load_task(args)
+    start_model = prepare_start_model(args, task, device)
+    model, tokenizer = load_policy(start_model, args, device)
+    ref_model = load_policy(start_model, args, device)[0].requires_grad_(False) if tepo.needs_ref(args.objective, cfg) else None
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.999))
+    train_set, test_set = task["train"], task["test"].select(range(min(args.n_test, len(task["test"]))))
+
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    first_step = 1
+    seed_everything(args.seed)
+    if resume_dir and os.path.exists(os.path.join(run_dir, "checkpoint.pt")):
+        ckpt = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=False)
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        set_rng_state(ckpt["rng"])
+        first_step = ckpt["step"] + 1
+        rows = [json.loads(line) for line in open(metrics_path)] if os.path.exists(metrics_path) else []
+        with open(metrics_path, "w") as f:   # drop rows written after the checkpoint
+            f.writelines(json.dumps(r) + "\n" for r in rows if r["step"] < first_step)
+    else:
+        json.dump({"args": dataclasses.asdict(args), "objective_overrides": obj_overrides,
+                   "builtin_overrides": builtin, "objective_config": dataclasses.asdict(cfg),
+                   "start_model": start_model, "needs_ref": ref_model is not None},
+                  open(os.path.join(run_dir, "config.json"), "w"), indent=2)
+        open(metrics_path, "w").close()
+        row = {"step": 0, **evaluate(model, tokenizer, test_set, args, device)}   # the starting model
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        save_checkpoint(run_dir, model, optimizer, 0)
+
+    check_rows = min(args.entropy_check_rows, args.prompts_per_step * args.group_size)
+    want_logprobs = args.check_sampling_logprobs and len(tokenizer) * args.prompts_per_step * args.group_size * args.max_new_tokens < 2**28
+    last_step = args.steps if args.stop_after is None else min(args.steps, args.stop_after)
+    bar = tqdm(range(first_step, last_step + 1), desc=f"{args.objective} seed {args.seed}", dynamic_ncols=True)
+    for step in bar:
+        t0 = time.time()
+        # 1-2. prompts and G samples each
+        idx = prompts_for_step(step, len(train_set), args)
+        rows = train_set.select(idx)
+        batch = generate_group(model, tokenizer, list(rows["question"]), args.group_size, args, device,
+                               want_logprobs=want_logprobs)
+        t1 = time.time()
+        # 3. rewards
+        texts = decode(tokenizer, batch)
+        golds = [gold_answer(a) for a in list(rows["answer"]) for _ in range(args.group_size)]
+        scored = compute_rewards(batch, texts, golds, args, cfg)
+        # 4. advantages (and DAPO's filter)
+        adv, keep = compute_advantages(scored["rewards"], args, cfg)
+        t2 = time.time()
+        # 5. old / reference log-probs, entropy, covariance
+        stats = rollout_statistics(model, ref_model, batch, adv, args, device, check_rows)
+        # 6. the update
+        skipped = not bool(keep.any())
+        loss_metrics = {} if skipped else update_policy(model, optimizer, objective, cfg, batch, stats, adv, keep, args, device)
+        # 7. how much did the entropy change, and how much did the derivation predict?
+        predicted, measured = entropy_check(model, batch, stats, args, device, check_rows) if not skipped else (0.0, 0.0)
+        t3 = time.time()
+
+        mask = batch["completion_mask"]
+        grouped = scored["rewards"].view(-1, args.group_size)
+        row = {"step": step, "reward": scored["rewards"].mean().item(), "reward_std": scored["rewards"].std().item(),
+               "accuracy/strict": scored["strict"].mean().item(), "accuracy/lenient": scored["lenient"].mean().item(),
+               "frac_reward_zero_std": (grouped.amax(1) == grouped.amin(1)).float().mean().item(),
+               "dynamic_sampling/kept_frac": keep.float().mean().item(), "dynamic_sampling/skipped": float(skipped),
+               "completions/mean_length": mask.sum(1).float().mean().item(),
+               "completions/clipped_ratio": batch["truncated"].float().mean().item(),
+               "entropy": stats["entropy_mean"], "cov/logp_adv": stats["cov"],
+               "entropy_change/predicted": predicted, "entropy_change/measured": measured, **loss_metrics}
+        if "sampling_logp" in batch:
+            gap = (batch["sampling_logp"] - stats["old_logp"]).abs()
+            row["logprobs/sampling_vs_recomputed_max_abs"] = torch.where(mask.bool(), gap, torch.zeros_like(gap)).max().item()
+        if step % args.eval_every == 0 or step == args.steps:
+            row.update(evaluate(model, tokenizer, test_set, args, device))
+        t4 = time.time()
+        row.update({"timing/generate": t1 - t0, "timing/reward": t2 - t1, "timing/update": t3 - t2,
+                    "timing/eval": t4 - t3, "step_time": t4 - t0,
+                    "perf/tokens_per_second": mask.sum().item() / (t4 - t0), "perf/peak_memory_mb": peak_memory_mb(device)})
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+        bar.set_postfix({"reward": f"{row['reward']:.2f}", "H": f"{row['entropy']:.3f}",
+                         "len": f"{row['completions/mean_length']:.1f}",
+                         **({"eval": f"{row['eval/accuracy']:.3f}"} if "eval/accuracy" in row else {})})
+        if step % args.save_every == 0 or step == last_step:
+            save_checkpoint(run_dir, model, optimizer, step)
+
+    rows = [json.loads(line) for line in open(metrics_path)]
+    if last_step < args.steps:     # interrupted on purpose (--stop-after): no summary yet
+        return {"run_dir": run_dir, "stopped_at": last_step}
+    save_pretrained_atomically(model.cpu(), tokenizer, os.path.join(run_dir, "policy"))
+    model.to(device)
+    return write_summary(run_dir, rows, args, time.time() - t_start)
+
+
+def write_summary(run_dir: str, rows: list[dict], args: Args, wall: float) -> dict:
+    """summary.json: start and final held-out accuracy, entropy-change correlation, wall time."""
+    evals = [r for r in rows if "eval/accuracy" in r]
+    steps = [r for r in rows if r["step"] > 0 and "entropy_change/predicted" in r]
+    reached = [r["step"] for r in evals if r["eval/accuracy"] >= args.target_accuracy]
+    summary = {
+        "run_dir": run_dir, "objective": args.objective, "seed": args.seed,
+        "start_accuracy": evals[0]["eval/accuracy"], "final_accuracy": evals[-1]["eval/accuracy"],
+        "gain_points": 100 * (evals[-1]["eval/accuracy"] - evals[0]["eval/accuracy"]),
+        "final_accuracy_lenient": evals[-1]["eval/accuracy_lenient"],
+        f"final_pass@{args.pass_k}": evals[-1][f"eval/pass@{args.pass_k}"],
+        "steps_to_target": reached[0] if reached else None, "target_accuracy": args.target_accuracy,
+        "final_entropy": steps[-1]["entropy"] if steps else None,
+        "entropy_change_correlation": pearson([r["entropy_change/predicted"] for r in steps],
+                                              [r["entropy_change/measured"] for r in steps]),
+        "wall_seconds": wall,
+    }
+    json.dump(summary, open(os.path.join(run_dir, "summary.json"), "w"), indent=2)
+    print(f"held-out accuracy {summary['start_accuracy']:.3f} -> {summary['final_accuracy']:.3f} "
+          f"({summary['gain_points']:+.1f} points); entropy change predicted vs measured: "
+          f"r = {summary['entropy_change_correlation']:.3f}; {wall:.0f} s; {run_dir}")
+    return summary
+
+
+# =====================================================================================================
+# Modes: --compare and --bench
+# =====================================================================================================
+
+def compare(args: Args, obj_overrides: dict) -> None:
+    """Several objectives x seeds on the same task, sequentially in-process; a summary table."""
+    out = args.out or os.path.join("runs", f"compare__{time.strftime('%Y%m%d-%H%M%S')}")
+    os.makedirs(out, exist_ok=True)
+    results = {}
+    for name in args.compare.split(","):
+        for seed in range(args.seed, args.seed + args.seeds):
+            run = dataclasses.replace(args, objective=name, seed=seed, compare=None, out=os.path.join(out, f"{name}__{seed}"))
+            results.setdefault(name, []).append(train(run, obj_overrides))
+    table = {}
+    for name, runs in results.items():
+        acc = torch.tensor([r["final_accuracy"] for r in runs], dtype=torch.float64)
+        gain = torch.tensor([r["gain_points"] for r in runs], dtype=torch.float64)
+        std = lambda x: x.std().item() if len(x) > 1 else 0.0  # noqa: E731
+        table[name] = {"final_accuracy_mean": acc.mean().item(), "final_accuracy_std": std(acc),
+                       "gain_points_mean": gain.mean().item(), "gain_points_std": std(gain),
+                       "steps_to_target": [r["steps_to_target"] for r in runs],
+                       "final_entropy_mean": sum(r["final_entropy"] for r in runs) / len(runs),
+                       "entropy_change_correlation_mean": sum(r["entropy_change_correlation"] for r in runs) / len(runs),
+                       "wall_seconds_mean": sum(r["wall_seconds"] for r in runs) / len(runs), "runs": runs}
+    json.dump(table, open(os.path.join(out, "summary.json"), "w"), indent=2)
+    lines = [f"| objective | final held-out acc (mean ± std, {args.seeds} seeds) | gain (points) | "
+             f"steps to {args.target_accuracy:.2f} | final entropy | r(pred, meas) | wall s |", "|---|---|---|---|---|---|---|"]
+    for name, t in table.items():
+        lines.append(f"| {name} | {t['final_accuracy_mean']:.3f} ± {t['final_accuracy_std']:.3f} | "
+                     f"{t['gain_points_mean']:+.1f} ± {t['gain_points_std']:.1f} | {t['steps_to_target']} | "
+                     f"{t['final_entropy_mean']:.3f} | {t['entropy_change_correlation_mean']:.2f} | {t['wall_seconds_mean']:.0f} |")
+    open(os.path.join(out, "summary.md"), "w").write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def bench(args: Args, obj_overrides: dict) -> None:
+    """Per-phase seconds, tokens/s and peak memory of our RL step, and of TRL's GRPOTrainer on the
+    same model directory, batch, group size and lengths (two mini-batches per rollout for both)."""
+    torch.set_num_threads(args.threads)
+    out = args.out or os.path.join("runs", f"bench__{time.strftime('%Y%m%d-%H%M%S')}")
+    n = args.bench_steps
+    run = dataclasses.replace(args, bench=False, out=os.path.join(out, "ours"), steps=n + 1, eval_every=10**9,
+                              save_every=10**9, n_test=1, pass_k=1, pass_k_problems=1, check_sampling_logprobs=False)
+    train(run, obj_overrides)
+    rows = [json.loads(line) for line in open(os.path.join(out, "ours", "metrics.jsonl"))][2:]   # skip step 0 and step 1
+    ours = {k: sum(r[k] for r in rows) / len(rows) for k in ("timing/generate", "timing/reward", "timing/update", "step_time", "perf/tokens_per_second")}
+    ours["step_time"] -= sum(r["timing/eval"] for r in rows) / len(rows)
+    ours["peak_memory_mb"] = max(r["perf/peak_memory_mb"] for r in rows)
+    print(f"ours ({args.objective}): " + ", ".join(f"{k} {v:.3f}" for k, v in ours.items()))
+    result = {"ours": ours, "setup": {"prompts": args.prompts_per_step, "group_size": args.group_size,
+                                      "max_new_tokens": args.max_new_tokens, "mini_batches": args.mini_batches,
+                                      "threads": args.threads, "steps_timed": n}}
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        print("trl is not installed: no comparison")
+    else:
+        result["trl"] = bench_trl(args, out, n)
+        print("trl GRPOTrainer: " + ", ".join(f"{k} {v:.3f}" for k, v in result["trl"].items()))
+        result["speedup"] = result["trl"]["step_time"] / ours["step_time"]
+        print(f"our step is {result['speedup']:.2f}x the speed of TRL's")
+    json.dump(result, open(os.path.join(out, "bench.json"), "w"), indent=2)
+
+
+def bench_trl(args: Args, out: str, n: int) -> dict:
+    """TRL's GRPOTrainer, one rollout = `mini_batches` optimizer steps, timed per rollout."""
+    import datasets
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    task = load_task(args)
+    start_model = prepare_start_model(args, task, torch.device("cpu"))
+    golds = {format_prompt(q): gold_answer(a) for q, a in zip(list(task["train"]["question"]), list(task["train"]["answer"]))}
+
+    def reward_fn(prompts, completions, **kw):
+        return [float(parse_strict(c) == golds.get(p)) for p, c in zip(prompts, completions)]
+
+    class Clock(TrainerCallback):
+        times = []
+
+        def on_step_end(self, *a, **k):
+            self.times.append(time.time())
+
+    rollout = args.prompts_per_step * args.group_size
+    config = GRPOConfig(output_dir=os.path.join(out, "trl"), per_device_train_batch_size=rollout // args.mini_batches,
+                        steps_per_generation=args.mini_batches, num_generations=args.group_size,
+                        max_completion_length=args.max_new_tokens, temperature=args.temperature, top_k=0, top_p=1.0,
+                        learning_rate=args.lr, beta=0.0, loss_type="dapo", max_steps=(n + 1) * args.mini_batches,
+                        gradient_checkpointing=False, use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+                        logging_steps=10**6, seed=args.seed, dataloader_num_workers=0, disable_tqdm=True)
+    prompts = datasets.Dataset.from_dict({"prompt": [format_prompt(q) for q in list(task["train"]["question"])]})
+    clock = Clock()
+    trainer = GRPOTrainer(model=start_model, reward_funcs=reward_fn, args=config, train_dataset=prompts, callbacks=[clock])
+    t0 = time.time()
+    trainer.train()
+    ends = [t0] + clock.times
+    per_rollout = [ends[i + args.mini_batches] - ends[i] for i in range(args.mini_batches, len(ends) - args.mini_batches, args.mini_batches)]
+    step = sum(per_rollout) / max(1, len(per_rollout))
+    return {"step_time": step, "peak_memory_mb": peak_memory_mb(torch.device("cpu")),
+            "perf/tokens_per_second": rollout * args.max_new_tokens / step}
+
+
+def main(argv=None) -> int:
+    args, obj_overrides = parse_args(argv)
+    if args.bench:
+        bench(args, obj_overrides)
+    elif args.compare:
+        compare(args, obj_overrides)
+    else:
+        train(args, obj_overrides)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
