@@ -50,6 +50,11 @@ __all__ = [
 ]
 
 
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """bf16 / fp16 -> fp32 (exp and log-softmax need the mantissa); float64 stays float64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def _check_choice(name: str, value, choices) -> None:
     """One-line ValueError naming the argument, the bad value and the valid choices."""
     if value not in choices:
@@ -172,9 +177,9 @@ def block_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tens
     its length.
     """
     _check_choice("block_ratio", block_ratio, BLOCK_RATIOS)
+    blk = block_index(mask, block_size)                                     # [B, T]; checks K >= 1
     B, T = logp.shape
     J = math.ceil(T / block_size)
-    blk = block_index(mask, block_size)                                     # [B, T]
     valid = mask.bool()
     delta = torch.where(valid, logp - old_logp, torch.zeros_like(logp))
     delta_blk = delta.new_zeros(B, J).scatter_add(1, blk, delta)            # [B, J]
@@ -266,7 +271,8 @@ def token_logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor,
     probability under softmax(z / 0.7), and a ratio against untempered log-probs is wrong
     (ANCHORS.md bug 6). logsumexp avoids materialising a second [B, T, V] log-softmax tensor.
     """
-    z = logits.float() / temperature if temperature != 1.0 else logits.float()
+    z = _at_least_float32(logits)
+    z = z / temperature if temperature != 1.0 else z
     chosen = z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return chosen - torch.logsumexp(z, dim=-1)
 
@@ -281,9 +287,10 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0,
     vocabulary never needs a second full-size float tensor. No gradient: it is a diagnostic.
     """
     flat = logits.reshape(-1, logits.shape[-1])
-    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+    out = torch.empty(flat.shape[0], dtype=torch.promote_types(logits.dtype, torch.float32),
+                      device=logits.device)
     for start in range(0, flat.shape[0], chunk_size):
-        z = flat[start:start + chunk_size].float() / temperature
+        z = _at_least_float32(flat[start:start + chunk_size]) / temperature
         logp = torch.log_softmax(z, dim=-1)
         out[start:start + chunk_size] = -(logp.exp() * logp).sum(-1)
     return out.view(logits.shape[:-1])
@@ -493,7 +500,7 @@ def _prepare(logp, old_logp, advantages, mask, cfg, **optional):
                          f"[B]={[logp.shape[0]]} or [B, T]={list(logp.shape)}")
     # bf16 / fp16 inputs are computed in fp32: exp() of a ratio needs the mantissa. Gradients
     # flow back through the cast.
-    dtype = torch.float32 if logp.dtype in (torch.float16, torch.bfloat16) else logp.dtype
+    dtype = torch.promote_types(logp.dtype, torch.float32)
     adv = advantages.detach().to(dtype)
     adv = adv.unsqueeze(-1).expand(logp.shape) if adv.dim() == 1 else adv   # [B, T]
     return logp.to(dtype), old_logp.detach().to(dtype), adv, mask.bool()
@@ -1047,20 +1054,20 @@ def entropy_change_prediction(logits_before: torch.Tensor, logits_after: torch.T
       predicted = -Cov_{a~p_before}(log p_before, dz),  dz = (z_after - z_before) / temperature
       measured  = H(p_after) - H(p_before)
     at the sampling temperature. They agree to first order; their gap is the O(dz^2) term.
-    Chunked over rows so a large vocabulary fits. Computed in float32 (model logits): changes
-    below ~1e-6 nats are at the rounding level; use first_order_entropy_change in float64 for
-    toy checks.
+    Chunked over rows so a large vocabulary fits. bf16 logits are computed in float32, where
+    changes below ~1e-6 nats are at the rounding level; float64 logits stay float64.
     """
     if logits_before.shape != logits_after.shape:
         raise ValueError(f"logits_after: shape {tuple(logits_after.shape)} does not match "
                          f"logits_before {tuple(logits_before.shape)}")
     V = logits_before.shape[-1]
     before, after = logits_before.reshape(-1, V), logits_after.reshape(-1, V)
-    predicted = torch.empty(before.shape[0], dtype=torch.float32, device=before.device)
+    predicted = torch.empty(before.shape[0], dtype=torch.promote_types(before.dtype, torch.float32),
+                            device=before.device)
     measured = torch.empty_like(predicted)
     for start in range(0, before.shape[0], chunk_size):
-        z0 = before[start:start + chunk_size].float() / temperature
-        z1 = after[start:start + chunk_size].float() / temperature
+        z0 = _at_least_float32(before[start:start + chunk_size]) / temperature
+        z1 = _at_least_float32(after[start:start + chunk_size]) / temperature
         predicted[start:start + chunk_size] = first_order_entropy_change(z0, z1 - z0)
         measured[start:start + chunk_size] = softmax_entropy(z1) - softmax_entropy(z0)
     shape = logits_before.shape[:-1]

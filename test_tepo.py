@@ -1676,7 +1676,7 @@ def test_unknown_string_option_raises_with_choices(field, choices):
     raises_naming(call_with(name, beta=1.0, **{field: "bogus"}), field, choices)
 
 
-@pytest.mark.parametrize("name", list(tepo.OBJECTIVES) if hasattr(tepo, "OBJECTIVES") else [])
+@pytest.mark.parametrize("name", list(tepo.OBJECTIVES))
 def test_mismatched_shapes_raise_naming_the_argument(name):
     x = make_inputs(B=4, T=5, seed=60, noise=0.1)
     c = cfg(name)
@@ -1728,6 +1728,17 @@ def test_paper_defaults_match_the_papers():
     t = d["tepo"]
     assert (t.eps_low, t.eps_high, t.aggregation, t.ratio_mode, t.entropy_criterion, t.kl_target, t.beta) == (
         3e-4, 4e-4, "token-mean", "gspo_token", "cov", "old", 1.0)
+
+
+def test_importing_tepo_needs_torch_only():
+    """API: importing tepo must not import transformers."""
+    import subprocess
+    import sys
+    import os
+    code = "import sys, tepo; assert 'transformers' not in sys.modules, 'transformers imported'"
+    r = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.abspath(tepo.__file__)),
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
 
 
 def test_needs_ref_and_needs_entropy():
