@@ -30,8 +30,10 @@ Layout (sections with comment headers):
 """
 
 import math
+import os
 import re
 import statistics
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -1757,3 +1759,33 @@ def test_needs_ref_and_needs_entropy():
 # =============================================================================
 # 15. train_small.py (to be added by the train_small owner)
 # =============================================================================
+
+
+# =============================================================================
+# 16. notebooks
+# =============================================================================
+# ---- notebooks: every notebooks/*.ipynb runs headless without error ----------------------------------
+# Executes each notebook in a fresh python3 kernel on the CPU (cwd = notebooks/, 300 s per cell) and
+# fails if any cell raises. The executed result is NOT written back to disk. New notebooks are picked
+# up automatically by the glob. Skips cleanly if nbclient / nbformat / ipykernel are not installed.
+REPO = Path(__file__).resolve().parent
+NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_executes(notebook):
+    reason = "notebook tests need nbclient, nbformat and ipykernel (pip install nbclient nbformat ipykernel)"
+    nbformat = pytest.importorskip("nbformat", reason=reason)
+    nbclient = pytest.importorskip("nbclient", reason=reason)
+    pytest.importorskip("ipykernel", reason=reason)
+    from nbclient.exceptions import CellExecutionError
+
+    nb = nbformat.read(notebook, as_version=4)
+    client = nbclient.NotebookClient(
+        nb, timeout=300, kernel_name="python3", record_timing=False,
+        resources={"metadata": {"path": str(notebook.parent)}})   # kernel cwd = notebooks/
+    try:
+        client.execute()                                           # in memory only: nothing is saved
+    except CellExecutionError as err:
+        message = re.sub(r"\x1b\[[0-9;]*m", "", str(err))                # drop ANSI colours
+        pytest.fail(f"{notebook.name}: a cell raised\n{message}", pytrace=False)
