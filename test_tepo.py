@@ -1757,8 +1757,253 @@ def test_needs_ref_and_needs_entropy():
 
 
 # =============================================================================
-# 15. train_small.py (to be added by the train_small owner)
+# 15. train_small.py
 # =============================================================================
+# Fast (CPU, no network), micro configurations only. The micro warm-up is cached once per module.
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from decimal import Decimal  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import train_small as ts  # noqa: E402  (importing must not start a run)
+
+REPO = str(Path(__file__).resolve().parent)
+
+SCRIPT = os.path.join(REPO, "train_small.py")
+# A micro configuration: a 1-layer model of width 32, 2 prompts x 4 samples, easy problems (operands
+# 1..2) and a 40-step warm-up so that groups have mixed rewards and every objective really updates.
+MICRO = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--difficulty", "2", "--n-train", "60",
+         "--n-test", "4", "--warmup-steps", "40", "--warmup-lr", "3e-3", "--warmup-batch", "16",
+         "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "12", "--overlong-cache", "4",
+         "--pass-k", "2", "--pass-k-problems", "2", "--entropy-check-rows", "4", "--reward", "lenient",
+         "--lr", "1e-3", "--eval-every", "2", "--save-every", "1"]
+TIMING = ("timing/", "perf/", "step_time")
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """One working directory for the module, so the micro warm-up is cached once (runs/cache)."""
+    d = tmp_path_factory.mktemp("train_small")
+    old = os.getcwd()
+    os.chdir(d)
+    yield d
+    os.chdir(old)
+
+
+def run_main(argv):
+    assert ts.main(argv) == 0
+
+
+def read_rows(run_dir):
+    return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+def without_timing(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
+# ---- answer parsing -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, strict, lenient", [
+    ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72", "72", "72"),     # GSM8K
+    ("3+4=7\n#### 7", "7", "7"),
+    ("####7", "7", "7"),
+    ("#### -5", "-5", "-5"),                                                      # negative
+    ("so the loss is -12 dollars", None, "-12"),
+    ("#### 1,234", "1234", "1234"),                                               # thousands separator
+    ("The total is 1,234,567 and then", None, "1234567"),
+    ("#### 3.50", "3.5", "3.5"),
+    ("#### 72 apples", None, "72"),                    # strict: nothing may follow the number
+    ("#### 12\n#### 13", "13", "13"),
+    ("I do not know", None, None),                      # no answer
+    ("", None, None),
+    ("#### ", None, None),
+    ("__import__('os').system('rm -rf /') #### 4", "4", "4"),   # hostile text: only digits are read
+    ("print(2+2)", None, "2"),
+    ("1,2,3", None, "3"),
+])
+def test_answer_parsing(text, strict, lenient):
+    assert ts.parse_strict(text) == (None if strict is None else Decimal(strict))
+    assert ts.parse_lenient(text) == (None if lenient is None else Decimal(lenient))
+
+
+def test_parsing_long_hostile_text_is_fast():
+    text = ("9" * 100_000) + " eval(" * 50_000 + "#### 5"
+    assert ts.parse_strict(text) == Decimal(5)
+    assert ts.parse_lenient("x" * 1_000_000) is None
+
+
+def test_score_completions_and_gold():
+    gold = ts.gold_answer("2*3=6\n#### 6")
+    strict, lenient = ts.score_completions(["2*3=6\n#### 6", "it is 6", "#### 7", "#### 6.0"], [gold] * 4)
+    assert strict.tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert lenient.tolist() == [1.0, 1.0, 0.0, 1.0]
+
+
+# ---- end token, tokenizer, task ------------------------------------------------------------------
+
+def test_end_token_is_in_loss_mask_when_pad_equals_eos():
+    eos = 0   # pad id == eos id: generate pads the rows that stopped early with the end token
+    ids = torch.tensor([[5, 6, eos, eos, eos],     # stopped: the first end token is trained
+                        [5, 6, 7, 8, 9],           # truncated: no end token
+                        [eos, eos, eos, eos, eos]])  # stopped at once: the end token is its only token
+    mask = ts.completion_mask(ids, [eos])
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+
+
+def test_char_tokenizer_round_trip_and_pad_is_eos():
+    tok = ts.build_char_tokenizer(["Ann has 3 pens.\n#### 3"])
+    text = "Ann has 3 pens.\n3+4=7\n#### 7"
+    ids = tok(text).input_ids
+    assert len(ids) == len(text)
+    assert tok.decode(ids) == text
+    assert tok.pad_token_id == tok.eos_token_id and tok.padding_side == "left"
+
+
+def test_task_splits_are_fixed_and_disjoint():
+    a = ts.make_arithmetic_task(9, 200, 50, seed=3)
+    b = ts.make_arithmetic_task(9, 200, 50, seed=3)
+    c = ts.make_arithmetic_task(9, 200, 50, seed=4)
+    assert list(a["test"]["question"]) == list(b["test"]["question"])
+    assert list(a["test"]["question"]) != list(c["test"]["question"])
+    assert not set(a["test"]["question"]) & set(a["train"]["question"])
+    for q, ans in zip(a["train"]["question"], a["train"]["answer"]):
+        assert ans.split("\n")[-1].startswith("#### ") and ts.gold_answer(ans) is not None
+
+
+# ---- log-probs: generate's vs recomputed, first mini-batch ratio ----------------------------------
+
+def test_recomputed_logprobs_equal_sampling_logprobs():
+    """Left padding (prompts of different lengths), pad == eos, temperature != 1."""
+    torch.manual_seed(0)
+    args = ts.Args(n_layer=2, n_embd=32, n_head=2, temperature=0.7, max_new_tokens=10, mini_batches=2, group_size=2)
+    tok = ts.build_char_tokenizer(["abc 0123456789 Ann has a pen. How many?"])
+    model = ts.build_tiny_model(args, tok).eval()
+    from transformers import GenerationConfig
+    model.generation_config = GenerationConfig(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    questions = ["Ann has 3 pens. How many?", "a?", "Ann has 12345 pens and 6789 more. How many?"]
+    batch = ts.generate_group(model, tok, questions, 2, args, torch.device("cpu"), want_logprobs=True)
+    assert (batch["prompt_mask"] == 0).any()       # some rows really are left-padded
+    adv = torch.randn(6)
+    stats = ts.rollout_statistics(model, None, batch, adv, args, torch.device("cpu"), check_rows=6)
+    mask = batch["completion_mask"].bool()
+    gap = (batch["sampling_logp"] - stats["old_logp"]).abs()[mask]
+    assert gap.max().item() < 1e-5
+    # and the update's first mini-batch sees ratio exactly 1
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    keep = torch.ones(6, dtype=torch.bool)
+    m = ts.update_policy(model, opt, tepo.OBJECTIVES["grpo"], tepo.config_for("grpo", beta=0.0), batch, stats,
+                         adv, keep, args, torch.device("cpu"))
+    assert m["logprobs/first_minibatch_max_abs_log_ratio"] < 1e-5
+
+
+# ---- command line -------------------------------------------------------------------------------
+
+def test_help_works():
+    out = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0
+    for flag in ("--objective", "--eps-low", "--kl-target", "--resume", "--compare", "--bench"):
+        assert flag in out.stdout
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--objective", "nope"], "nope"),
+    (["--pass-k", "0"], "pass-k"),
+    (["--group-size", "1"], "group-size"),
+    (["--lr", "-1e-4"], "lr"),
+    (["--model", "./no/such/dir"], "no/such/dir"),
+    (["--dataset", "missing.jsonl"], "missing.jsonl"),
+    (["--resume", "runs/not-there"], "not-there"),
+    (["--compare", "grpo,bogus"], "bogus"),
+    (["--aggregation", "median"], "median"),
+    (["--eps-low", "-0.1"], "eps_low"),
+    (["--steps", "x"], "x"),
+    (["--no-such-flag"], "no-such-flag"),
+    (["--ops", "/"], "ops"),
+    (["--mini-batches", "0"], "mini-batches"),
+] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "cuda")]))
+def test_bad_flags_give_one_line(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        ts.main(argv)
+    assert e.value.code != 0
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert needle in err and "Traceback" not in err
+
+
+def test_bad_flag_in_a_real_process_and_offline_hub():
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}   # fail fast instead of waiting for the network
+    for argv in (["--objective", "nope"], ["--model", "some-org/some-model", "--steps", "1"]):
+        out = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True, timeout=180,
+                             env=env, cwd=os.path.dirname(SCRIPT))
+        assert out.returncode == 2, out.stderr
+        lines = [line for line in out.stderr.strip().splitlines() if line.strip()]
+        assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+
+
+def test_objective_flags_cover_every_config_field():
+    parser = ts.build_parser()
+    flags = {a.dest for a in parser._actions}
+    import dataclasses
+    assert {f.name for f in dataclasses.fields(tepo.ObjectiveConfig)} <= flags
+    args, overrides = ts.parse_args(["--objective", "tepo", "--eps-low", "0.01", "--dual-clip-c", "none",
+                                     "--no-dynamic-sampling", "--kl-target", "ref"])
+    cfg, _ = ts.objective_config(args, overrides)
+    assert cfg.eps_low == 0.01 and cfg.dynamic_sampling is False and cfg.kl_target == "ref"
+    assert cfg.eps_high == tepo.PAPER_DEFAULTS["tepo"].eps_high or "eps_high" in ts.BUILTIN_OVERRIDES.get("tepo", {})
+
+
+# ---- end to end ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("objective", sorted(tepo.OBJECTIVES))
+def test_two_steps_of_every_objective(objective, workdir):
+    out = f"runs/e2e_{objective}"
+    run_main([*MICRO, "--objective", objective, "--steps", "2", "--out", out])
+    rows = read_rows(out)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["args"]["objective"] == objective
+    assert config["needs_ref"] == tepo.needs_ref(objective, tepo.config_for(objective, **config["builtin_overrides"]))
+    for r in rows[1:]:
+        for key in ("reward", "reward_std", "accuracy/strict", "accuracy/lenient", "frac_reward_zero_std",
+                    "completions/mean_length", "completions/clipped_ratio", "entropy", "cov/logp_adv",
+                    "entropy_change/predicted", "entropy_change/measured", "timing/generate", "step_time"):
+            assert key in r and r[key] == r[key], (key, r)          # present and not NaN
+        assert 0 <= r["entropy"] <= torch.log(torch.tensor(200.0)).item()
+        if not r["dynamic_sampling/skipped"]:
+            assert r["logprobs/first_minibatch_max_abs_log_ratio"] < 1e-5
+            assert r["logprobs/sampling_vs_recomputed_max_abs"] < 1e-4
+            assert "clip_ratio/region_mean" in r and "grad_norm" in r
+        if objective == "tepo" and not r["dynamic_sampling/skipped"]:
+            assert "kl_mask/frac" in r
+    assert "eval/accuracy" in rows[-1] and "eval/pass@2" in rows[-1]
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert summary["final_accuracy"] == rows[-1]["eval/accuracy"]
+    assert os.path.exists(os.path.join(out, "checkpoint.pt"))
+
+
+def test_some_micro_step_really_updates(workdir):
+    """The micro warm-up gives mixed rewards, so the update path (not just the skip) is exercised."""
+    out = "runs/e2e_update"
+    run_main([*MICRO, "--objective", "grpo", "--steps", "3", "--out", out, "--no-dynamic-sampling"])
+    rows = read_rows(out)[1:]
+    assert any(r["reward_std"] > 0 for r in rows)
+    assert all("loss" in r for r in rows)
+    assert any(r["on_policy"] < 1 for r in rows)   # 2 mini-batches: after a real update the second is off-policy
+
+
+def test_resume_reproduces_the_uninterrupted_run(workdir):
+    args = [*MICRO, "--objective", "tepo", "--steps", "4", "--eps-low", "0.05", "--eps-high", "0.05"]
+    run_main([*args, "--out", "runs/full"])
+    run_main([*args, "--out", "runs/cut", "--stop-after", "2"])
+    assert not os.path.exists("runs/cut/summary.json")
+    run_main(["--resume", "runs/cut"])
+    full, resumed = without_timing(read_rows("runs/full")), without_timing(read_rows("runs/cut"))
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    assert resumed == full
+
+
 
 
 # =============================================================================
@@ -1768,8 +2013,7 @@ def test_needs_ref_and_needs_entropy():
 # Executes each notebook in a fresh python3 kernel on the CPU (cwd = notebooks/, 300 s per cell) and
 # fails if any cell raises. The executed result is NOT written back to disk. New notebooks are picked
 # up automatically by the glob. Skips cleanly if nbclient / nbformat / ipykernel are not installed.
-REPO = Path(__file__).resolve().parent
-NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = sorted((Path(REPO) / "notebooks").glob("*.ipynb"))
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
