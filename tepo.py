@@ -25,6 +25,9 @@ Tensor layout (all objectives):
   mask                       [B, T]  1 for response tokens that are trained, 0 for padding
   advantages                 [B] or [B, T], always treated as constants
 
+Flags: `python train_small.py --objective <name>` trains with PAPER_DEFAULTS[<name>]; every field of
+ObjectiveConfig is a flag there too (eps_low -> --eps-low, ...).
+
 Importing this module needs torch only.
 """
 

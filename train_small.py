@@ -291,9 +291,17 @@ def parse_args(argv=None) -> tuple[Args, dict]:
 
 
 def objective_config(args: Args, obj_overrides: dict) -> tuple[tepo.ObjectiveConfig, dict]:
-    """Paper defaults, then the built-in task's overrides (built-in model and task only), then flags."""
+    """Paper defaults, then the built-in task's overrides (built-in model and task only), then flags.
+
+    Dr. GRPO's constant L (seq-mean-token-sum-norm) is the max generation length, as in the paper
+    and TRL, unless --norm-constant is given; tepo's own fallback (the padded length of the batch)
+    would change from mini-batch to mini-batch.
+    """
     builtin = BUILTIN_OVERRIDES.get(args.objective, {}) if (args.model is None and args.dataset is None) else {}
-    return tepo.config_for(args.objective, **{**builtin, **obj_overrides}), builtin
+    cfg = tepo.config_for(args.objective, **{**builtin, **obj_overrides})
+    if cfg.aggregation == "seq-mean-token-sum-norm" and cfg.norm_constant is None:
+        cfg = dataclasses.replace(cfg, norm_constant=float(args.max_new_tokens))
+    return cfg, builtin
 
 
 def seed_everything(seed: int) -> None:
@@ -400,7 +408,8 @@ def parse_lenient(text: str) -> Decimal | None:
 
 
 def gold_answer(answer_text: str) -> Decimal | None:
-    return parse_strict(answer_text.strip()) or parse_lenient(answer_text)
+    strict = parse_strict(answer_text.strip())       # `is None`, not `or`: Decimal(0) is falsy
+    return strict if strict is not None else parse_lenient(answer_text)
 
 
 def score_completions(texts: list[str], golds: list) -> tuple[torch.Tensor, torch.Tensor]:
