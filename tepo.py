@@ -868,8 +868,9 @@ def tepo_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=N
     Defaults: PAPER_DEFAULTS["tepo"]; eps (3e-4, 4e-4) are GSPO's, since a geometric-mean ratio
     hardly moves and GRPO's 0.2 would never clip.
     Does nothing beyond DAPO when on-policy: with kl_target="old", D = 0 and dD = 0 at r = 1, so the
-    mask only acts from the second mini-batch or epoch of a rollout on (metrics: on_policy = 1);
-    there, and with equal-length answers, its gradient equals DAPO's.
+    mask only acts from the second mini-batch or epoch of a rollout on, and an on-policy TEPO
+    step has exactly DAPO's gradient (metrics: on_policy = 1). Off-policy with an empty mask it
+    weighs sequence i by |o_i| / mean|o| relative to GSPO (equal lengths: GSPO's gradient).
     Metrics add kl_mask/frac (masked / valid tokens) and kl_mask/penalty (mean of M * D).
     """
     logp, old_logp, adv, mask = _prepare(logp, old_logp, advantages, mask, cfg, ref_logp=ref_logp,
