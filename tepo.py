@@ -707,9 +707,10 @@ def clip_cov_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entro
     ratio = torch.exp(delta)
     pg_mat, low, high = clipped_surrogate(ratio, adv, cfg.eps_low, cfg.eps_high)
     with torch.no_grad():
-        already_clipped = (-adv * ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)) > (-adv * ratio)
-        cov = token_covariance(logp, adv, mask).masked_fill(~mask | already_clipped, float("-inf"))
-        candidates = ((cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub)).flatten().nonzero().squeeze(-1)
+        cov = token_covariance(logp, adv, mask)
+        # candidates: valid tokens that PPO has not already clipped (low | high), lb < Cov < ub
+        ranked = cov.masked_fill(~mask | low | high, float("-inf"))
+        candidates = ((ranked > cfg.clip_cov_lb) & (ranked < cfg.clip_cov_ub)).flatten().nonzero().squeeze(-1)
         n_clip = min(max(1, int(cfg.clip_cov_ratio * mask.sum().item())), candidates.numel())
         chosen = candidates[torch.randperm(candidates.numel(), device=candidates.device)[:n_clip]]
         keep = torch.ones(logp.numel(), dtype=torch.bool, device=logp.device)
@@ -717,8 +718,7 @@ def clip_cov_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entro
         keep = keep.view_as(logp)
     pg_mat = torch.where(keep, pg_mat, torch.zeros_like(pg_mat))           # selected: no value, no grad
     kl_mat = _reference_kl(logp, ref_logp, cfg, "clip_cov")
-    extra = {"cov/n_selected": torch.tensor(float(n_clip)),
-             "cov/mean": masked_mean(token_covariance(logp, adv, mask), mask)}
+    extra = {"cov/n_selected": torch.tensor(float(n_clip)), "cov/mean": masked_mean(cov, mask)}
     pg_loss = _aggregate(pg_mat, mask, cfg, num_tokens, num_seqs)
     return _finish(pg_loss, kl_mat, logp, old_logp, ratio, low, high, mask, cfg, num_tokens, num_seqs,
                    ref_logp, extra)

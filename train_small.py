@@ -910,10 +910,9 @@ def train(args: Args, obj_overrides: dict) -> dict:
         t3 = time.time()
 
         mask = batch["completion_mask"]
-        grouped = scored["rewards"].view(-1, args.group_size)
         row = {"step": step, "reward": scored["rewards"].mean().item(), "reward_std": scored["rewards"].std().item(),
                "accuracy/strict": scored["strict"].mean().item(), "accuracy/lenient": scored["lenient"].mean().item(),
-               "frac_reward_zero_std": (grouped.amax(1) == grouped.amin(1)).float().mean().item(),
+               "frac_reward_zero_std": 1 - tepo.dynamic_sampling_mask(scored["rewards"], args.group_size).float().mean().item(),
                "dynamic_sampling/kept_frac": keep.float().mean().item(), "dynamic_sampling/skipped": float(skipped),
                "completions/mean_length": mask.sum(1).float().mean().item(),
                "completions/clipped_ratio": batch["truncated"].float().mean().item(),
