@@ -136,6 +136,7 @@ class Args:
     dataset: str | None = None          # openai/gsm8k, a local dataset dir or a .jsonl; None = built-in arithmetic
     difficulty: int = 15                # built-in task: largest operand
     ops: str = "+-*"                    # built-in task: operations to draw from (any of + - *)
+    sft_noise: float = 0.5              # built-in task: fraction of warm-up demonstrations that misread the problem
     n_train: int = 4000                 # built-in task: training problems
     n_test: int = 500                   # held-out problems used by evaluation
     # --- supervised warm-up ---
@@ -266,6 +267,7 @@ def parse_args(argv=None) -> tuple[Args, dict]:
               ("seeds", args.seeds >= 1, "an integer >= 1"), ("max-grad-norm", args.max_grad_norm > 0, "a number > 0"),
               ("overlong-cache", 0 < args.overlong_cache <= args.max_new_tokens, "an integer in 1..max-new-tokens"),
               ("n-embd", args.n_embd % args.n_head == 0, "a multiple of --n-head"),
+              ("sft-noise", 0 <= args.sft_noise <= 1, "a fraction in [0, 1]"),
               ("ops", len(args.ops) > 0 and set(args.ops) <= set("+-*"), "a non-empty string of + - *")]
     for name, ok, valid in checks:
         if not ok:
@@ -317,38 +319,58 @@ NAMES = ["Ann", "Bob", "Cal", "Dee", "Eve", "Fay", "Gus", "Hal", "Ivy", "Jon"]
 ITEMS = ["apple", "pen", "cup", "book", "egg", "coin", "card", "shell"]
 
 
-def make_arithmetic_task(difficulty: int, n_train: int, n_test: int, seed: int, ops: str = "+-*"):
+# How the sloppy solver of the warm-up corpus misreads each kind of problem: it adds when it should
+# multiply or subtract, and subtracts when it should add. One systematic misreading per kind, as
+# real students (and real pretraining corpora) have.
+MISREAD = {"+": "-", "-": "+", "*": "+"}
+
+
+def make_arithmetic_task(difficulty: int, n_train: int, n_test: int, seed: int, ops: str = "+-*",
+                         sft_noise: float = 0.0):
     """One-step word problems with GSM8K-style worked answers ending in `#### <number>`.
 
     difficulty = the largest operand. Questions are unique, and the test split never shares a
     question with the training split; both are fixed by the seed.
+    Columns: question, answer (always right: rewards and evaluation use it), and demonstration
+    (what the supervised warm-up imitates): the right worked answer, or, for a fraction
+    `sft_noise` of the problems, a MISREADING of the problem worked out correctly, e.g. "7+3=10"
+    for "7 bags of 3". The warm-up model thus knows both readings and picks between them almost
+    at random; reading the problem right is a behaviour that transfers across problems, so RL
+    can learn it within a few thousand prompts (it cannot memorise new arithmetic facts that fast).
     """
     import datasets
     rng = random.Random(f"arithmetic-{seed}-{difficulty}")
+    noise_rng = random.Random(f"misread-{seed}")
     seen, rows = set(), []
     n_possible = len(NAMES) * len(ITEMS) * len(ops) * difficulty * difficulty
     while len(rows) < min(n_train + n_test, n_possible // 2):
         name, item = rng.choice(NAMES), rng.choice(ITEMS)
         a, b, op = rng.randint(1, difficulty), rng.randint(1, difficulty), rng.choice(ops)
         if op == "+":
-            q, c = f"{name} has {a} {item}s and gets {b} more. How many {item}s now?", a + b
+            q = f"{name} has {a} {item}s and gets {b} more. How many {item}s now?"
         elif op == "-":
             a, b = max(a, b), min(a, b)
-            q, c = f"{name} has {a} {item}s and gives away {b}. How many are left?", a - b
+            q = f"{name} has {a} {item}s and gives away {b}. How many are left?"
         else:
-            q, c = f"{name} has {a} bags of {b} {item}s. How many {item}s in all?", a * b
+            q = f"{name} has {a} bags of {b} {item}s. How many {item}s in all?"
         if q not in seen:
             seen.add(q)
-            rows.append({"question": q, "answer": f"{a}{op}{b}={c}\n#### {c}"})
+            shown = MISREAD[op] if noise_rng.random() < sft_noise else op
+            rows.append({"question": q, "answer": worked_answer(a, op, b), "demonstration": worked_answer(a, shown, b)})
     test, train = rows[:n_test], rows[n_test:]
     return datasets.DatasetDict({"train": datasets.Dataset.from_list(train),
                                  "test": datasets.Dataset.from_list(test)})
 
 
+def worked_answer(a: int, op: str, b: int) -> str:
+    c = a + b if op == "+" else a - b if op == "-" else a * b
+    return f"{a}{op}{b}={c}\n#### {c}"
+
+
 def load_task(args: Args):
     """A DatasetDict with train/test splits of question/answer records."""
     if args.dataset is None:
-        return make_arithmetic_task(args.difficulty, args.n_train, args.n_test, args.seed, args.ops)
+        return make_arithmetic_task(args.difficulty, args.n_train, args.n_test, args.seed, args.ops, args.sft_noise)
     import datasets
     path = os.path.expanduser(args.dataset)
     try:
@@ -458,7 +480,7 @@ def build_tiny_model(args: Args, tokenizer):
 
 def warmup_cache_dir(args: Args) -> str:
     """runs/cache/warmup-<hash of everything that determines the warmed-up weights>."""
-    keys = ("arch", "n_layer", "n_embd", "n_head", "difficulty", "ops", "n_train", "n_test", "warmup_steps",
+    keys = ("arch", "n_layer", "n_embd", "n_head", "difficulty", "ops", "sft_noise", "n_train", "n_test", "warmup_steps",
             "warmup_lr", "warmup_batch", "max_prompt_tokens", "max_new_tokens", "seed")
     blob = json.dumps({k: getattr(args, k) for k in keys if k != "ops" or args.ops != "+-*"} | {"version": 1},
                       sort_keys=True)
@@ -492,7 +514,8 @@ def supervised_warmup(model, tokenizer, train, args: Args, device):
     for _ in bar:
         idx = torch.randint(len(train), (args.warmup_batch,), generator=gen).tolist()
         rows = train.select(idx)
-        ids, attn, labels = sft_batch(tokenizer, list(rows["question"]), list(rows["answer"]), device)
+        demos = rows["demonstration"] if "demonstration" in rows.column_names else rows["answer"]
+        ids, attn, labels = sft_batch(tokenizer, list(rows["question"]), list(demos), device)
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
