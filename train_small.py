@@ -70,6 +70,33 @@ Logged metrics (metrics.jsonl, one JSON row per RL step; names follow TRL / verl
   eval/mean@k                   accuracy of single samples at the sampling temperature (mean over
                                 the k samples): the quantity RL optimises directly
 
+details.jsonl (TEPO only: --objective tepo, even with --beta 0, where the mask is computed but has
+no effect; one JSON row per RL step, truncated on --resume like metrics.jsonl). Where TEPO's KL
+mask (tepo.tepo_kl_mask) falls, under the configured entropy criterion and under both criteria
+side by side; logging only (detached tensors: metrics.jsonl is bit-identical without it):
+  step                          RL step, as in metrics.jsonl
+  kl_mask_frac_by_minibatch     one value per optimizer step, in order (epochs x mini_batches, fewer
+                                when DAPO's filter left fewer groups; empty on a skipped step):
+                                masked / valid completion tokens under the configured criterion;
+                                its mean is metrics.jsonl's kl_mask/frac
+  kl_mask_frac_cov_by_minibatch, kl_mask_frac_measured_by_minibatch
+                                the same with entropy_criterion cov / measured. measured is 0 on a
+                                step's first mini-batch (CPU; ~0 under CUDA's bf16): nothing has
+                                moved since the rollout
+  kl_mask_position_counts       [T] masked tokens (configured criterion) at each completion position,
+                                summed over the step's mini-batches (T = padded completion width)
+  valid_position_counts         [T] valid tokens at each position, summed the same way (a token is
+                                counted once per epoch): divide to get the masked fraction by position
+  sample                        one completion of the last mini-batch: its first row in rollout order
+                                with A > 0 (its first row if none); null on a skipped step. Fields:
+                                prompt (text), tokens (each valid token decoded, end token included),
+                                reward, advantage, and per valid token, at the last mini-batch:
+                                kl_mask, kl_mask_cov, kl_mask_measured (0/1), entropy (rollout),
+                                entropy_after (at that mini-batch's forward), cov (token_covariance
+                                of the ROLLOUT log-probs over the mini-batch; the cov criterion uses
+                                the current ones, so off-policy a sign can differ), log_ratio
+                                (log pi - log pi_old); floats rounded to 4, 5 and 6 decimals
+
 Usage:
   python train_small.py                                   # built-in task and model, TEPO, seed 1
   python train_small.py --objective grpo --seed 2         # any key of tepo.OBJECTIVES
@@ -712,10 +739,76 @@ def rollout_statistics(model, ref_model, batch: dict, adv: torch.Tensor, args: A
                 cov=tepo.masked_mean(tepo.token_covariance(old_logp, adv.to(device), mask), mask).item())
 
 
+class KLMaskDetails:
+    """One row of details.jsonl: where TEPO's KL mask falls during one RL step (module docstring).
+
+    update_policy calls add() once per mini-batch; row() then builds the JSON row. Logging only:
+    every mask is rebuilt here from detached tensors and nothing flows back into the loss or the
+    optimizer, so a run's metrics.jsonl is the same with or without it.
+    """
+
+    def __init__(self, cfg: tepo.ObjectiveConfig, T: int, device):
+        # Key suffix -> config: "" is the configured criterion, then each criterion forced.
+        self.configs = {"": cfg, **{"_" + c: dataclasses.replace(cfg, entropy_criterion=c)
+                                    for c in tepo.ENTROPY_CRITERIA}}
+        self.masked = []                                                    # per mini-batch: [3] counts
+        self.valid = []                                                     # per mini-batch: valid count
+        self.masked_at = torch.zeros(T, dtype=torch.long, device=device)    # [T]
+        self.valid_at = torch.zeros(T, dtype=torch.long, device=device)     # [T]
+        self.last = None                                                    # the last mini-batch's tensors
+
+    def add(self, rows, logp, old_logp, adv, mask, entropy, old_entropy) -> None:
+        """One mini-batch: rows [b] (rollout indices), logp/old_logp/entropy/old_entropy/mask [b, T],
+        adv [b]. Counts stay tensors until row(): no extra device syncs per optimizer step."""
+        logp, entropy, valid = logp.detach(), entropy.detach(), mask.bool()
+        masks = {key: tepo.tepo_kl_mask(logp, adv, mask, c, entropy, old_entropy)       # bool [b, T] each
+                 for key, c in self.configs.items()}
+        self.masked.append(torch.stack([m.sum() for m in masks.values()]))
+        self.valid.append(valid.sum())
+        self.masked_at += masks[""].sum(0)
+        self.valid_at += valid.sum(0)
+        self.last = dict(rows=rows, masks=masks, logp=logp, old_logp=old_logp, adv=adv, mask=valid,
+                         entropy=entropy, old_entropy=old_entropy)
+
+    def row(self, step: int, batch: dict, rewards: torch.Tensor, tokenizer) -> dict:
+        """The JSON row of this step; a skipped step (no add()) has empty lists and no sample."""
+        row = {"step": step}
+        masked = torch.stack(self.masked).tolist() if self.masked else []   # [n_minibatches, 3]
+        valid = torch.stack(self.valid).tolist() if self.valid else []
+        for i, key in enumerate(self.configs):
+            row[f"kl_mask_frac{key}_by_minibatch"] = [m[i] / v for m, v in zip(masked, valid)]
+        row["kl_mask_position_counts"] = self.masked_at.tolist()
+        row["valid_position_counts"] = self.valid_at.tolist()
+        row["sample"] = self.sample(batch, rewards, tokenizer) if self.last is not None else None
+        return row
+
+    def sample(self, batch: dict, rewards: torch.Tensor, tokenizer) -> dict:
+        """The last mini-batch's first row in rollout order with A > 0 (its first row if none)."""
+        last = self.last
+        order = last["rows"].argsort()                       # mini-batch positions in rollout order
+        positive = (last["adv"][order] > 0).nonzero()
+        j = order[positive[0, 0] if len(positive) else 0]    # position of the sample in the mini-batch
+        r = last["rows"][j].item()                           # its row in the rollout
+        valid = last["mask"][j]                              # [T]
+        # Per-token covariance of the rollout log-probs, centred over the whole mini-batch.
+        cov = tepo.token_covariance(last["old_logp"], last["adv"], last["mask"])[j]       # [T]
+
+        def tokens_of(x, digits=None):                       # [T] -> list over valid tokens
+            values = x[valid].tolist()
+            return values if digits is None else [round(v, digits) for v in values]
+
+        return {"prompt": tokenizer.decode(batch["prompt_ids"][r][batch["prompt_mask"][r].bool()]),
+                "tokens": [tokenizer.decode([i]) for i in tokens_of(batch["completion_ids"][r])],
+                "reward": rewards[r].item(), "advantage": last["adv"][j].item(),
+                **{f"kl_mask{key}": tokens_of(m[j].int()) for key, m in last["masks"].items()},
+                "entropy": tokens_of(last["old_entropy"][j], 4), "entropy_after": tokens_of(last["entropy"][j], 4),
+                "cov": tokens_of(cov, 5), "log_ratio": tokens_of(last["logp"][j] - last["old_logp"][j], 6)}
+
+
 def update_policy(model, optimizer, objective, cfg, batch: dict, stats: dict, adv: torch.Tensor,
-                  keep: torch.Tensor, args: Args, device) -> dict:
+                  keep: torch.Tensor, args: Args, device, details: KLMaskDetails | None = None) -> dict:
     """Several optimizer steps on one rollout: `epochs` passes of `mini_batches` mini-batches of
-    shuffled whole groups."""
+    shuffled whole groups. With `details`, each mini-batch's KL masks are logged there too."""
     # Mini-batches hold WHOLE groups. A group's advantages sum to zero, so the tokens its samples
     # share (here: copying the question's numbers) get zero net gradient. Split a group across
     # mini-batches and those tokens get pure noise, which Adam scales up to full-size steps:
@@ -725,6 +818,7 @@ def update_policy(model, optimizer, objective, cfg, batch: dict, stats: dict, ad
     groups_all = keep.view(-1, G).all(1).nonzero().squeeze(1).to(device)            # kept group ids
     adv = adv.to(device)
     collected, first_dev = [], None
+    needs_entropy = tepo.needs_entropy(args.objective, cfg)
     if args.gradient_checkpointing and device.type == "cuda":
         model.train()   # transformers checkpoints only in train mode; dropout was zeroed in load_policy
     for _ in range(args.epochs):
@@ -734,11 +828,18 @@ def update_policy(model, optimizer, objective, cfg, batch: dict, stats: dict, ad
             mask = batch["completion_mask"][rows]
             logits = completion_logits(model, batch, rows, device)                     # [b, T, V]
             logp = tepo.token_logprobs_from_logits(logits, batch["completion_ids"][rows], args.temperature)
-            entropy = tepo.entropy_from_logits(logits.detach(), args.temperature) if tepo.needs_entropy(args.objective, cfg) else None
+            # The current entropy: for the objective when its criterion needs it, and for the
+            # details log (the measured criterion) even when it does not; the loss gets it only
+            # in the first case, as without the log.
+            entropy = (tepo.entropy_from_logits(logits.detach(), args.temperature)
+                       if needs_entropy or details is not None else None)                # [b, T]
             ref = stats["ref_logp"][rows] if stats["ref_logp"] is not None else None
             loss, metrics = objective(logp, stats["old_logp"][rows], adv[rows], mask, cfg, ref_logp=ref,
-                                      entropy=entropy, old_entropy=stats["entropy"][rows] if entropy is not None else None,
+                                      entropy=entropy if needs_entropy else None,
+                                      old_entropy=stats["entropy"][rows] if needs_entropy else None,
                                       num_tokens=mask.sum().item(), num_seqs=float(len(rows)))
+            if details is not None:
+                details.add(rows, logp, stats["old_logp"][rows], adv[rows], mask, entropy, stats["entropy"][rows])
             if first_dev is None:   # before any optimizer step: must be exactly on-policy
                 delta = (logp.detach() - stats["old_logp"][rows]).abs()
                 first_dev = torch.where(mask.bool(), delta, torch.zeros_like(delta)).max().item()
@@ -831,6 +932,20 @@ def save_checkpoint(run_dir: str, model, optimizer, step: int) -> None:
     os.replace(tmp, path)
 
 
+def append_row(path: str, row: dict) -> None:
+    """One JSON row at the end of a .jsonl log, flushed: an interrupted run keeps every finished step."""
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+
+
+def truncate_log(path: str, first_step: int) -> None:
+    """On resume: drop a log's rows written after the checkpoint (step >= first_step)."""
+    rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows if r["step"] < first_step)
+
+
 def peak_memory_mb(device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated() / 2**20
@@ -879,6 +994,9 @@ def train(args: Args, obj_overrides: dict) -> dict:
     train_set, test_set = task["train"], task["test"].select(range(min(args.n_test, len(task["test"]))))
 
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    # TEPO's KL mask, per step (module docstring); other objectives have no mask to log.
+    details_path = os.path.join(run_dir, "details.jsonl") if args.objective == "tepo" else None
+    logs = [p for p in (metrics_path, details_path) if p is not None]
     first_step = 1
     seed_everything(args.seed)
     if resume_dir and os.path.exists(os.path.join(run_dir, "checkpoint.pt")):
@@ -887,18 +1005,17 @@ def train(args: Args, obj_overrides: dict) -> dict:
         optimizer.load_state_dict(ckpt["optimizer"])
         set_rng_state(ckpt["rng"])
         first_step = ckpt["step"] + 1
-        rows = [json.loads(line) for line in open(metrics_path)] if os.path.exists(metrics_path) else []
-        with open(metrics_path, "w") as f:   # drop rows written after the checkpoint
-            f.writelines(json.dumps(r) + "\n" for r in rows if r["step"] < first_step)
+        for path in logs:
+            truncate_log(path, first_step)
     else:
         json.dump({"args": dataclasses.asdict(args), "objective_overrides": obj_overrides,
                    "builtin_overrides": builtin, "objective_config": dataclasses.asdict(cfg),
                    "start_model": start_model, "needs_ref": ref_model is not None},
                   open(os.path.join(run_dir, "config.json"), "w"), indent=2)
-        open(metrics_path, "w").close()
+        for path in logs:
+            open(path, "w").close()
         row = {"step": 0, **evaluate(model, tokenizer, test_set, args, device)}   # the starting model
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_row(metrics_path, row)
         save_checkpoint(run_dir, model, optimizer, 0)
 
     check_rows = min(args.entropy_check_rows, args.prompts_per_step * args.group_size)
@@ -926,7 +1043,9 @@ def train(args: Args, obj_overrides: dict) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = args.lr * min(1.0, step / max(1, args.lr_warmup_steps))
         skipped = not bool(keep.any())
-        loss_metrics = {} if skipped else update_policy(model, optimizer, objective, cfg, batch, stats, adv, keep, args, device)
+        details = KLMaskDetails(cfg, batch["completion_ids"].shape[1], device) if details_path else None
+        loss_metrics = {} if skipped else update_policy(model, optimizer, objective, cfg, batch, stats, adv, keep,
+                                                        args, device, details)
         # 7. how much did the entropy change, and how much did the derivation predict?
         predicted, measured, position_corr = (entropy_check(model, batch, stats, args, device, check_rows)
                                               if not skipped else (0.0, 0.0, float("nan")))
@@ -951,9 +1070,9 @@ def train(args: Args, obj_overrides: dict) -> dict:
         row.update({"timing/generate": t1 - t0, "timing/reward": t2 - t1, "timing/update": t3 - t2,
                     "timing/eval": t4 - t3, "step_time": t4 - t0,
                     "perf/tokens_per_second": mask.sum().item() / (t4 - t0), "perf/peak_memory_mb": peak_memory_mb(device)})
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
+        append_row(metrics_path, row)
+        if details_path:
+            append_row(details_path, details.row(step, batch, scored["rewards"], tokenizer))
         bar.set_postfix({"reward": f"{row['reward']:.2f}", "H": f"{row['entropy']:.3f}",
                          "len": f"{row['completions/mean_length']:.1f}",
                          **({"eval": f"{row['eval/accuracy']:.3f}"} if "eval/accuracy" in row else {})})
