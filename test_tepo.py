@@ -1872,6 +1872,36 @@ def test_task_splits_are_fixed_and_disjoint():
         assert ans.split("\n")[-1].startswith("#### ") and ts.gold_answer(ans) is not None
 
 
+def _worked_out(question: str, op_of_reading: dict) -> tuple[int, str, int]:
+    """(a, op, b) of a built-in question, read independently of train_small's generator."""
+    for pattern, op in ((r"has (\d+) \w+s and gets (\d+) more", "+"), (r"has (\d+) \w+s and gives away (\d+)", "-"),
+                        (r"has (\d+) bags of (\d+)", "*")):
+        m = re.search(pattern, question)
+        if m:
+            return int(m.group(1)), op_of_reading.get(op, op), int(m.group(2))
+    raise AssertionError(question)
+
+
+def test_answers_are_right_and_demonstrations_misread_a_fraction_sft_noise():
+    arithmetic = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+    misread = {"+": "-", "-": "+", "*": "+"}        # the sloppy solver: add <-> subtract, add for multiply
+    task = ts.make_arithmetic_task(15, 3000, 100, seed=2, sft_noise=0.3)
+    n_misread = 0
+    for row in task["train"]:
+        a, op, b = _worked_out(row["question"], {})
+        assert ts.gold_answer(row["answer"]) == arithmetic[op](a, b)             # rewards use the right answer
+        assert row["answer"] == f"{a}{op}{b}={arithmetic[op](a, b)}\n#### {arithmetic[op](a, b)}"
+        if row["demonstration"] != row["answer"]:                                # a misreading, worked out right
+            wrong = misread[op]
+            assert row["demonstration"] == f"{a}{wrong}{b}={arithmetic[wrong](a, b)}\n#### {arithmetic[wrong](a, b)}"
+            n_misread += 1
+    # 3000 rows: the misread fraction is 0.3 +- 3 binomial std (0.025)
+    assert abs(n_misread / len(task["train"]) - 0.3) < 0.025
+    clean = ts.make_arithmetic_task(15, 3000, 100, seed=2, sft_noise=0.0)
+    assert list(clean["train"]["demonstration"]) == list(clean["train"]["answer"])
+    assert list(clean["train"]["question"]) == list(task["train"]["question"])   # noise never changes the problems
+
+
 # ---- log-probs: generate's vs recomputed, first mini-batch ratio ----------------------------------
 
 def test_recomputed_logprobs_equal_sampling_logprobs():
@@ -2017,6 +2047,24 @@ def read_details(run_dir):
 # steps; a band wide enough that the ratios are not all clipped.
 DETAILS_ARGS = [*MICRO, "--objective", "tepo", "--steps", "3", "--no-dynamic-sampling", "--epochs", "2",
                 "--eps-low", "0.05", "--eps-high", "0.05"]
+
+
+def test_compare_writes_a_table_and_a_rerun_reuses_finished_runs(workdir):
+    argv = [*MICRO, "--compare", "grpo,tepo", "--seeds", "2", "--steps", "2", "--out", "runs/cmp"]
+    run_main(argv)
+    table = json.load(open("runs/cmp/summary.json"))
+    assert set(table) == {"grpo", "tepo"}
+    for name, entry in table.items():
+        finals = [json.load(open(f"runs/cmp/{name}__{seed}/summary.json"))["final_accuracy"] for seed in (1, 2)]
+        assert entry["final_accuracy_mean"] == pytest.approx(sum(finals) / 2)
+        assert [r["seed"] for r in entry["runs"]] == [1, 2]
+    md = open("runs/cmp/summary.md").read()
+    assert md.count("\n| grpo |") == 1 and md.count("\n| tepo |") == 1
+    stamp = os.path.getmtime("runs/cmp/grpo__2/metrics.jsonl")
+    os.remove("runs/cmp/summary.json")
+    run_main(argv)                                   # the same command again: nothing is retrained
+    assert os.path.getmtime("runs/cmp/grpo__2/metrics.jsonl") == stamp
+    assert json.load(open("runs/cmp/summary.json")) == table
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,12 @@ Run `python train_small.py` (no flags, no network, 2 CPU cores, under 10 minutes
 GPT-2 with a character vocabulary, makes a synthetic arithmetic word-problem task whose answers end
 in GSM8K's `#### <number>`, gives the model a short supervised warm-up (cached as an ordinary
 Hugging Face model directory), then improves it with RL using any objective of tepo.py.
+The warm-up corpus is deliberately imperfect: half of its worked answers misread the problem
+(`--sft-noise`, e.g. "7+3=10" for "7 bags of 3"), so the warmed-up model knows the right and the
+wrong reading and picks between them almost at random. Learning to read the problem right is a
+behaviour that transfers across problems, so RL can learn it from a few thousand prompts (new
+arithmetic facts it could not: each training prompt is seen about once). This is the regime RL
+with verifiable rewards is known for: sharpening behaviours the starting model already has.
 The same code path takes a real model and data set: `--model Qwen/Qwen2.5-0.5B-Instruct
 --dataset openai/gsm8k` (the Hugging Face hub must be reachable, or pass local paths).
 
@@ -26,8 +32,9 @@ Simplifications, said plainly:
   - Prompts are the question followed by a newline; no chat template is applied.
   - The reference model (only loaded when tepo.needs_ref says so) is the model RL starts from.
   - pass@k uses n = k samples per problem, so the unbiased estimator is "any of the k is right".
-  - On this synthetic task more supervised steps raise accuracy more cheaply than RL does: the
-    demo shows RL working, not RL beating supervised training.
+  - With `--sft-noise 0` the warm-up model reads every problem right, and RL has little to add on
+    this task (measured: +3 points greedy over 200 steps): more supervised steps would then raise
+    accuracy more cheaply than RL does.
 
 Logged metrics (metrics.jsonl, one JSON row per RL step; names follow TRL / verl where they exist):
   step                          RL step (one rollout = one step; several optimizer steps per step)
@@ -190,7 +197,7 @@ class Args:
     pass_k_problems: int = 200          # held-out problems used for pass@k and mean@k
     entropy_check_rows: int = 64        # completions used for the predicted-vs-measured entropy check
     check_sampling_logprobs: bool = True  # compare generate's log-probs with the recomputed ones
-    target_accuracy: float = 0.65       # --compare: steps needed to reach this held-out accuracy
+    target_accuracy: float = 0.40       # --compare: steps needed to reach this held-out accuracy
     # --- modes ---
     resume: str | None = None           # continue the run in this directory from its checkpoint
     compare: str | None = None          # comma-separated objectives to run on the same task and seeds
@@ -1121,14 +1128,25 @@ def write_summary(run_dir: str, rows: list[dict], args: Args, wall: float) -> di
 # =====================================================================================================
 
 def compare(args: Args, obj_overrides: dict) -> None:
-    """Several objectives x seeds on the same task, sequentially in-process; a summary table."""
+    """Several objectives x seeds on the same task, sequentially in-process; a summary table
+    (<out>/summary.md and summary.json)."""
     out = args.out or os.path.join("runs", f"compare__{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(out, exist_ok=True)
     results = {}
     for seed in range(args.seed, args.seed + args.seeds):      # seed-major: early results cover every objective
         for name in args.compare.split(","):
-            run = dataclasses.replace(args, objective=name, seed=seed, compare=None, out=os.path.join(out, f"{name}__{seed}"))
-            results.setdefault(name, []).append(train(run, obj_overrides))
+            run_dir = os.path.join(out, f"{name}__{seed}")
+            run = dataclasses.replace(args, objective=name, seed=seed, compare=None, out=run_dir)
+            # Rerunning the same --compare command (same --out) goes on where it stopped: finished runs
+            # are read back, an interrupted one resumes from its checkpoint. So a long comparison can
+            # be split across processes (one --compare per subset) and then assembled by a last call.
+            if os.path.exists(os.path.join(run_dir, "summary.json")):
+                summary = json.load(open(os.path.join(run_dir, "summary.json")))
+            elif os.path.exists(os.path.join(run_dir, "checkpoint.pt")):
+                summary = train(dataclasses.replace(run, resume=run_dir), obj_overrides)
+            else:
+                summary = train(run, obj_overrides)
+            results.setdefault(name, []).append(summary)
     table = {}
     for name, runs in results.items():
         acc = torch.tensor([r["final_accuracy"] for r in runs], dtype=torch.float64)
