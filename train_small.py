@@ -1097,7 +1097,8 @@ def train(args: Args, obj_overrides: dict) -> dict:
 def write_summary(run_dir: str, rows: list[dict], args: Args, wall: float) -> dict:
     """summary.json: start and final held-out accuracy, entropy-change correlation, wall time."""
     evals = [r for r in rows if "eval/accuracy" in r]
-    steps = [r for r in rows if r["step"] > 0 and "entropy_change/predicted" in r]
+    # Steps that made an update (DAPO's filter can skip one: no update, no entropy change to predict).
+    steps = [r for r in rows if r["step"] > 0 and "entropy_change/predicted" in r and not r.get("dynamic_sampling/skipped")]
     reached = [r["step"] for r in evals if r["eval/accuracy"] >= args.target_accuracy]
     position_corrs = sorted(c for r in steps if math.isfinite(c := r.get("entropy_change/position_corr", math.nan)))
     summary = {
@@ -1140,8 +1141,10 @@ def compare(args: Args, obj_overrides: dict) -> None:
             # Rerunning the same --compare command (same --out) goes on where it stopped: finished runs
             # are read back, an interrupted one resumes from its checkpoint. So a long comparison can
             # be split across processes (one --compare per subset) and then assembled by a last call.
-            if os.path.exists(os.path.join(run_dir, "summary.json")):
-                summary = json.load(open(os.path.join(run_dir, "summary.json")))
+            if os.path.exists(os.path.join(run_dir, "summary.json")):   # summarised again from its log
+                wall = json.load(open(os.path.join(run_dir, "summary.json")))["wall_seconds"]
+                summary = write_summary(run_dir, [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))],
+                                        run, wall)
             elif os.path.exists(os.path.join(run_dir, "checkpoint.pt")):
                 summary = train(dataclasses.replace(run, resume=run_dir), obj_overrides)
             else:
