@@ -33,8 +33,8 @@ Simplifications, said plainly:
   - The reference model (only loaded when tepo.needs_ref says so) is the model RL starts from.
   - pass@k uses n = k samples per problem, so the unbiased estimator is "any of the k is right".
   - With `--sft-noise 0` the warm-up model reads every problem right, and RL has little to add on
-    this task (measured, 3 seeds: +2.6 points greedy for TEPO, +2.9 for GRPO over 200 steps): more supervised steps would then raise
-    accuracy more cheaply than RL does.
+    this task (measured, 3 seeds: +2.6 points greedy for TEPO, +2.9 for GRPO over 200 steps):
+    more supervised steps would then raise accuracy more cheaply than RL does.
 
 Logged metrics (metrics.jsonl, one JSON row per RL step; names follow TRL / verl where they exist):
   step                          RL step (one rollout = one step; several optimizer steps per step)
