@@ -1872,13 +1872,13 @@ def test_task_splits_are_fixed_and_disjoint():
         assert ans.split("\n")[-1].startswith("#### ") and ts.gold_answer(ans) is not None
 
 
-def _worked_out(question: str, op_of_reading: dict) -> tuple[int, str, int]:
+def _worked_out(question: str) -> tuple[int, str, int]:
     """(a, op, b) of a built-in question, read independently of train_small's generator."""
     for pattern, op in ((r"has (\d+) \w+s and gets (\d+) more", "+"), (r"has (\d+) \w+s and gives away (\d+)", "-"),
                         (r"has (\d+) bags of (\d+)", "*")):
         m = re.search(pattern, question)
         if m:
-            return int(m.group(1)), op_of_reading.get(op, op), int(m.group(2))
+            return int(m.group(1)), op, int(m.group(2))
     raise AssertionError(question)
 
 
@@ -1888,7 +1888,7 @@ def test_answers_are_right_and_demonstrations_misread_a_fraction_sft_noise():
     task = ts.make_arithmetic_task(15, 3000, 100, seed=2, sft_noise=0.3)
     n_misread = 0
     for row in task["train"]:
-        a, op, b = _worked_out(row["question"], {})
+        a, op, b = _worked_out(row["question"])
         assert ts.gold_answer(row["answer"]) == arithmetic[op](a, b)             # rewards use the right answer
         assert row["answer"] == f"{a}{op}{b}={arithmetic[op](a, b)}\n#### {arithmetic[op](a, b)}"
         if row["demonstration"] != row["answer"]:                                # a misreading, worked out right

@@ -948,9 +948,14 @@ def append_row(path: str, row: dict) -> None:
         f.flush()
 
 
+def read_log(path: str) -> list[dict]:
+    """The rows of a .jsonl log (none if it does not exist yet)."""
+    return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+
+
 def truncate_log(path: str, first_step: int) -> None:
     """On resume: drop a log's rows written after the checkpoint (step >= first_step)."""
-    rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+    rows = read_log(path)
     with open(path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows if r["step"] < first_step)
 
@@ -1088,7 +1093,7 @@ def train(args: Args, obj_overrides: dict) -> dict:
         if step % args.save_every == 0 or step == last_step:
             save_checkpoint(run_dir, model, optimizer, step)
 
-    rows = [json.loads(line) for line in open(metrics_path)]
+    rows = read_log(metrics_path)
     if last_step < args.steps:     # interrupted on purpose (--stop-after): no summary yet
         return {"run_dir": run_dir, "stopped_at": last_step}
     save_pretrained_atomically(model.cpu(), tokenizer, os.path.join(run_dir, "policy"))
@@ -1145,8 +1150,7 @@ def compare(args: Args, obj_overrides: dict) -> None:
             # be split across processes (one --compare per subset) and then assembled by a last call.
             if os.path.exists(os.path.join(run_dir, "summary.json")):   # summarised again from its log
                 wall = json.load(open(os.path.join(run_dir, "summary.json")))["wall_seconds"]
-                summary = write_summary(run_dir, [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))],
-                                        run, wall)
+                summary = write_summary(run_dir, read_log(os.path.join(run_dir, "metrics.jsonl")), run, wall)
             elif os.path.exists(os.path.join(run_dir, "checkpoint.pt")):
                 summary = train(dataclasses.replace(run, resume=run_dir), obj_overrides)
             else:
@@ -1187,7 +1191,7 @@ def bench(args: Args, obj_overrides: dict) -> None:
     run = dataclasses.replace(args, bench=False, out=os.path.join(out, "ours"), steps=n + 1, eval_every=10**9,
                               save_every=10**9, pass_k=1, pass_k_problems=1, check_sampling_logprobs=False)
     train(run, obj_overrides)
-    rows = [json.loads(line) for line in open(os.path.join(out, "ours", "metrics.jsonl"))][2:]   # skip step 0 and step 1
+    rows = read_log(os.path.join(out, "ours", "metrics.jsonl"))[2:]   # skip step 0 and step 1
     ours = {k: sum(r[k] for r in rows) / len(rows) for k in ("timing/generate", "timing/reward", "timing/update", "step_time", "perf/tokens_per_second")}
     ours["step_time"] -= sum(r["timing/eval"] for r in rows) / len(rows)
     ours["peak_memory_mb"] = max(r["perf/peak_memory_mb"] for r in rows)
