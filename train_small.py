@@ -158,6 +158,10 @@ class Args:
     threads: int = 2                    # torch CPU threads (the machine is shared)
     steps: int = 200                    # RL steps (one rollout each)
     save_every: int = 50                # checkpoint every N steps (and at the end)
+    engine: str = "tepo"                # tepo: this file's loop | trl: TRL's GRPOTrainer with a tepo objective
+    cache_dir: str = "runs/cache"       # where the warmed-up built-in model is cached
+    dry_run: bool = False               # print the memory plan and exit without loading the model
+    force: bool = False                 # run even when the memory plan says it will not fit the device
     # --- model ---
     model: str | None = None            # causal-LM id or local path; None = built-in tiny model
     trust_remote_code: bool = False     # allow custom model code from the hub (off by default)
@@ -165,7 +169,8 @@ class Args:
     n_layer: int = 4                    # built-in model: transformer layers
     n_embd: int = 128                   # built-in model: width
     n_head: int = 4                     # built-in model: attention heads
-    gradient_checkpointing: bool = False  # CUDA only: recompute activations in backward to save memory
+    gradient_checkpointing: bool = False  # recompute activations in backward to save memory
+    precision: str = "fp32"             # fp32 | bf16: bf16 runs the forward passes under autocast
     # --- task ---
     dataset: str | None = None          # openai/gsm8k, a local dataset dir or a .jsonl; None = built-in arithmetic
     difficulty: int = 15                # built-in task: largest operand
@@ -190,6 +195,7 @@ class Args:
     lr_warmup_steps: int = 20           # RL steps over which the lr rises linearly from 0 (Adam's first steps are sign-like)
     mini_batches: int = 2               # optimizer steps per rollout per epoch (>= 2 lets clipping act)
     epochs: int = 1                     # passes over each rollout
+    micro_batch_size: int = 0           # rows per forward and backward (0: the whole mini-batch)
     max_grad_norm: float = 1.0          # gradient clipping
     # --- measurement ---
     eval_every: int = 25                # held-out evaluation every N steps (and at step 0 and the end)
@@ -202,6 +208,7 @@ class Args:
     resume: str | None = None           # continue the run in this directory from its checkpoint
     compare: str | None = None          # comma-separated objectives to run on the same task and seeds
     seeds: int = 1                      # --compare: number of seeds (seed, seed+1, ...)
+    baseline: str = "grpo"              # --compare: the objective the others are paired against
     bench: bool = False                 # time one RL step against TRL's GRPOTrainer and exit
     bench_steps: int = 3                # --bench: timed steps (after one untimed step)
     stop_after: int | None = None       # stop after this step as if interrupted (testing --resume)
@@ -219,7 +226,8 @@ class Args:
 BUILTIN_OVERRIDES: dict[str, dict] = {}
 
 # Fields of Args that only say how to run, not what is computed: they are not compared on resume.
-RUN_ONLY_FIELDS = ("resume", "stop_after", "compare", "seeds", "bench", "bench_steps", "out", "threads")
+RUN_ONLY_FIELDS = ("resume", "stop_after", "compare", "seeds", "baseline", "bench", "bench_steps", "out", "threads",
+                   "cache_dir", "dry_run", "force")
 
 
 def field_comments(cls) -> dict[str, str]:
