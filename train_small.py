@@ -502,21 +502,31 @@ def build_char_tokenizer(texts):
                                    padding_side="left", clean_up_tokenization_spaces=False)
 
 
-def build_tiny_model(args: Args, tokenizer):
-    """A small causal LM from a transformers config, dropout off (ratios must be 1 on-policy)."""
-    from transformers import AutoModelForCausalLM, GPT2Config, Qwen2Config
+def tiny_model_config(args: Args, tokenizer):
+    """The built-in model's transformers config: GPT-2 or Qwen2 of the --n-layer/--n-embd/--n-head size."""
+    from transformers import GPT2Config, Qwen2Config
     eos = tokenizer.eos_token_id
     common = dict(vocab_size=len(tokenizer), bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
     if args.arch == "gpt2":
-        config = GPT2Config(n_positions=args.max_prompt_tokens + args.max_new_tokens + 8, n_embd=args.n_embd,
-                            n_layer=args.n_layer, n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
-                            attn_pdrop=0.0, **common)
-    else:
-        config = Qwen2Config(hidden_size=args.n_embd, intermediate_size=4 * args.n_embd,
-                             num_hidden_layers=args.n_layer, num_attention_heads=args.n_head,
-                             num_key_value_heads=args.n_head, tie_word_embeddings=True,
-                             max_position_embeddings=args.max_prompt_tokens + args.max_new_tokens + 8, **common)
-    return AutoModelForCausalLM.from_config(config)
+        return GPT2Config(n_positions=args.max_prompt_tokens + args.max_new_tokens + 8, n_embd=args.n_embd,
+                          n_layer=args.n_layer, n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
+                          attn_pdrop=0.0, **common)
+    return Qwen2Config(hidden_size=args.n_embd, intermediate_size=4 * args.n_embd,
+                       num_hidden_layers=args.n_layer, num_attention_heads=args.n_head,
+                       num_key_value_heads=args.n_head, tie_word_embeddings=True,
+                       max_position_embeddings=args.max_prompt_tokens + args.max_new_tokens + 8, **common)
+
+
+def build_tiny_model(args: Args, tokenizer):
+    """A small causal LM from a transformers config, dropout off (ratios must be 1 on-policy)."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_config(tiny_model_config(args, tokenizer))
+
+
+def builtin_tokenizer(task):
+    """The built-in task's character tokenizer (the characters of its texts)."""
+    return build_char_tokenizer(list(task["train"]["question"]) + list(task["train"]["answer"])
+                                + list(task["test"]["question"]))
 
 
 def warmup_cache_dir(args: Args) -> str:
@@ -586,8 +596,7 @@ def prepare_start_model(args: Args, task, device) -> str:
     cache = warmup_cache_dir(args)
     if os.path.exists(os.path.join(cache, "config.json")):
         return cache
-    texts = list(task["train"]["question"]) + list(task["train"]["answer"]) + list(task["test"]["question"])
-    tokenizer = build_char_tokenizer(texts)
+    tokenizer = builtin_tokenizer(task)
     torch.manual_seed(args.seed)
     model = build_tiny_model(args, tokenizer).to(device)
     if args.warmup_steps > 0:
@@ -644,6 +653,114 @@ def switch_off_dropout(model) -> None:
         for key, value in list(vars(module).items()):
             if "dropout" in key and isinstance(value, float):
                 setattr(module, key, 0.0)
+
+
+# =====================================================================================================
+# 2b. Memory: the plan printed before a run
+# =====================================================================================================
+# An estimate, by part, of the peak memory of a run, made from the model's config before any weight
+# is loaded. The parts that do not depend on the rollout size are the model's: weights, gradients
+# and Adam's two moments in float32 (16 bytes per parameter), and a float32 reference model when the
+# objective needs one. The rest is per forward pass (--micro-batch-size rows): the activations kept
+# for the backward, and the logits [b, T, V], which dominate with a large vocabulary (151,936 for
+# Qwen2.5: 0.6 MB per position in float32). Generation's KV cache grows with the rollout. On the CPU
+# the plan counts what the run adds to the process, not the ~0.5 GB that torch and transformers take.
+
+def model_config_for_plan(args: Args, task):
+    """The config of the model the run will train (built-in: made here, nothing is trained yet)."""
+    from transformers import AutoConfig
+    if args.model is None:
+        return tiny_model_config(args, builtin_tokenizer(task))
+    try:
+        return AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    except Exception as e:  # noqa: BLE001 -- any loading failure is a user-facing one-liner
+        fail(f"could not load the config of model {args.model!r} ({type(e).__name__}: "
+             f"{str(e).splitlines()[0][:150]}); run without --model for the built-in tiny model")
+
+
+def memory_plan(args: Args, config, needs_ref: bool) -> dict:
+    """Estimated bytes by part, and the peak: the model's parts plus the larger of the two phases
+    (generation, update), which never overlap."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):                            # shapes only: no memory, no weights
+        meta_model = AutoModelForCausalLM.from_config(config)
+    n_params = sum(p.numel() for p in meta_model.parameters())
+    H, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    heads = config.num_attention_heads
+    kv_dim = getattr(config, "num_key_value_heads", None) or heads
+    kv_dim = kv_dim * H // heads
+    inner = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * H
+    b = rows_per_forward(args)                            # rows per forward and backward
+    rollout = args.prompts_per_step * args.group_size     # rows generated at once (evaluation too)
+    S = args.max_prompt_tokens + args.max_new_tokens      # longest sequence
+    T = args.max_new_tokens
+    act = 2 if args.precision == "bf16" else 4            # bytes of an activation or a logit
+    # Per token and layer, what a transformer layer keeps for its backward: norms, q/k/v, the
+    # attention output and its weights, the residuals and the MLP's hidden layers.
+    per_layer_token = (7 * H + 2 * kv_dim + heads * S + 4 * inner) * act
+    layer_inputs = L * b * S * H * 4                      # what gradient checkpointing keeps
+    one_layer = b * S * per_layer_token
+    logits = b * (T + 1) * V * act                        # one forward's logits [b, T + 1, V]
+    chunk = min(LOGITS_CHUNK_BYTES, b * (T + 1) * V * 4)  # one chunk of float32 softmax temporaries
+    check = min(args.entropy_check_rows * T, ENTROPY_CHECK_MAX_POSITIONS) * V * act
+    plan = {
+        "weights (fp32)": 4 * n_params,
+        "gradients (fp32)": 4 * n_params,
+        "Adam moments (fp32)": 8 * n_params,
+        "reference model (fp32)": 4 * n_params if needs_ref else 0,
+        "activations, one micro-batch": layer_inputs + one_layer if args.gradient_checkpointing else L * one_layer,
+        # the logits, their gradient, the gradient of the slice [:, :-1] taken of them, and
+        # softmax temporaries chunk by chunk
+        "logits, one micro-batch": 3 * logits + 4 * chunk,
+        "entropy check (logits before)": check,
+        "generation KV cache": 2 * L * rollout * S * kv_dim * act,
+        "generation logits": rollout * V * 4 * 3
+                             + (rollout * T * V * 4 if args.check_sampling_logprobs
+                                and rollout * T * V * 4 < SAMPLING_CHECK_MAX_BYTES else 0),
+    }
+    # The update's peak: its micro-batch (activations and logits) while the entropy check's "before"
+    # logits wait; or the entropy check itself: before and after, one forward's logits, temporaries.
+    update = max(plan["activations, one micro-batch"] + plan["logits, one micro-batch"] + check,
+                 2 * check + logits + 6 * chunk)
+    generation = plan["generation KV cache"] + plan["generation logits"]
+    model = sum(plan[k] for k in ("weights (fp32)", "gradients (fp32)", "Adam moments (fp32)", "reference model (fp32)"))
+    return {"parts": plan, "n_params": n_params, "peak": model + max(update, generation),
+            "phase": "update" if update >= generation else "generation",
+            "supports_gradient_checkpointing": meta_model.supports_gradient_checkpointing}
+
+
+def device_memory(device) -> int:
+    """Bytes the run may use: the GPU's total memory, or the memory the CPU machine has available."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    for line in open("/proc/meminfo") if os.path.exists("/proc/meminfo") else []:
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def print_memory_plan(plan: dict, capacity: int, device) -> None:
+    gib = 2**30
+    print(f"memory plan (estimate; {plan['n_params'] / 1e6:.1f}M parameters):")
+    for part, nbytes in plan["parts"].items():
+        print(f"  {part:<32} {nbytes / gib:8.2f} GiB")
+    print(f"  {'estimated peak (' + plan['phase'] + ')':<32} {plan['peak'] / gib:8.2f} GiB of {capacity / gib:.1f} GiB "
+          f"{'on the GPU' if device.type == 'cuda' else 'available on this machine'}", flush=True)
+
+
+def check_memory(args: Args, task, device, needs_ref: bool) -> dict:
+    """Print the plan; refuse, in one line, a run that would not fit (unless --force)."""
+    plan = memory_plan(args, model_config_for_plan(args, task), needs_ref)
+    if args.gradient_checkpointing and not plan["supports_gradient_checkpointing"]:
+        fail(f"argument --gradient-checkpointing: model {args.model!r} does not support gradient checkpointing; "
+             f"run without --gradient-checkpointing")
+    capacity = device_memory(device)
+    print_memory_plan(plan, capacity, device)
+    if plan["peak"] > capacity and not args.force and not args.dry_run:
+        fail(f"the estimated peak memory {plan['peak'] / 2**30:.1f} GiB exceeds the {capacity / 2**30:.1f} GiB "
+             f"of the device; lower --micro-batch-size, --max-new-tokens or --prompts-per-step, add "
+             f"--gradient-checkpointing or --precision bf16, or pass --force to try anyway")
+    return plan
 
 
 # =====================================================================================================
@@ -786,9 +903,12 @@ def completion_logits(model, batch: dict, rows, args: Args) -> torch.Tensor:
     return logits[:, :-1]
 
 
+LOGITS_CHUNK_BYTES = 2**24   # log-probs and entropy go through the logits 16 MiB of float32 at a time
+
+
 def positions_per_chunk(vocab_size: int) -> int:
-    """Positions per chunk so that one chunk of float32 logits is at most 64 MiB."""
-    return max(1, 2**24 // vocab_size)
+    """Positions per chunk so that one chunk of float32 logits is at most LOGITS_CHUNK_BYTES."""
+    return max(1, LOGITS_CHUNK_BYTES // (4 * vocab_size))
 
 
 class ChunkedTokenLogprobs(torch.autograd.Function):
@@ -902,10 +1022,10 @@ def rollout_statistics(run, batch: dict, adv: torch.Tensor, plan: list) -> dict:
         old_logp[rows] = token_logprobs(logits, tokens, args.temperature).float()
         entropy[rows] = token_entropy(logits, args.temperature).float()
         check.capture(rows, logits)
-        if run.ref_model is not None:
-            ref_logits = completion_logits(run.ref_model, batch, rows, args)
-            ref_logp[rows] = token_logprobs(ref_logits, tokens, args.temperature).float()
         del logits                 # before the next forward allocates its own
+        if run.ref_model is not None:
+            ref_logp[rows] = token_logprobs(completion_logits(run.ref_model, batch, rows, args), tokens,
+                                            args.temperature).float()
     return dict(old_logp=old_logp, entropy=entropy, ref_logp=ref_logp, check=check,
                 entropy_mean=tepo.masked_mean(entropy, mask).item(),
                 cov=tepo.masked_mean(tepo.token_covariance(old_logp, adv.to(mask.device), mask), mask).item(),
@@ -1280,28 +1400,45 @@ def train(args: Args, obj_overrides: dict) -> dict:
     return write_summary(run.run_dir, read_log(os.path.join(run.run_dir, "metrics.jsonl")), args, time.time() - t_start)
 
 
+def resumed_args(args: Args, obj_overrides: dict) -> tuple[Args, dict]:
+    """With --resume, the saved configuration wins; only how-to-run fields come from the command line."""
+    if not args.resume:
+        return args, obj_overrides
+    if not os.path.exists(os.path.join(args.resume, "config.json")):
+        fail(f"argument --resume: {args.resume!r} has no config.json; give a run directory of train_small.py")
+    saved = json.load(open(os.path.join(args.resume, "config.json")))
+    run_only = {k: getattr(args, k) for k in RUN_ONLY_FIELDS}
+    return Args(**{**saved["args"], **run_only, "out": args.resume}), saved["objective_overrides"]
+
+
+def pick_device(args: Args) -> torch.device:
+    return torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                        else "cpu")
+
+
+def dry_run(args: Args, obj_overrides: dict) -> None:
+    """--dry-run: print the memory plan; nothing is trained, loaded or written."""
+    args, obj_overrides = resumed_args(args, obj_overrides)
+    cfg, _ = objective_config(args, obj_overrides)
+    check_memory(args, load_task(args), pick_device(args), tepo.needs_ref(args.objective, cfg))
+
+
 def start_run(args: Args, obj_overrides: dict) -> Run:
     """Load the task and the models, then either resume from the run directory's checkpoint or start
     afresh: config.json, empty logs, the starting model's evaluation (step 0) and checkpoint 0."""
     torch.set_num_threads(args.threads)
     resume_dir = args.resume
-    if resume_dir:   # the saved configuration wins; only how-to-run fields come from the command line
-        if not os.path.exists(os.path.join(resume_dir, "config.json")):
-            fail(f"argument --resume: {resume_dir!r} has no config.json; give a run directory of train_small.py")
-        saved = json.load(open(os.path.join(resume_dir, "config.json")))
-        run_only = {k: getattr(args, k) for k in RUN_ONLY_FIELDS}
-        args = Args(**{**saved["args"], **run_only, "out": resume_dir})
-        obj_overrides = saved["objective_overrides"]
-    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-                          else "cpu")
+    args, obj_overrides = resumed_args(args, obj_overrides)
+    device = pick_device(args)
     cfg, builtin = objective_config(args, obj_overrides)
+    seed_everything(args.seed)
+    task = load_task(args)
+    check_memory(args, task, device, tepo.needs_ref(args.objective, cfg))
     run_dir = args.out or os.path.join("runs", run_name(args))
     os.makedirs(run_dir, exist_ok=True)
     print(f"run directory: {run_dir}", flush=True)
     reset_peak_memory(device)
-
-    seed_everything(args.seed)
-    task = load_task(args)
+    memory_before_model = process_memory_mb()
     start_model = prepare_start_model(args, task, device)
     model, tokenizer = load_policy(start_model, args, device)
     ref_model = None
@@ -1329,7 +1466,8 @@ def start_run(args: Args, obj_overrides: dict) -> Run:
                   open(os.path.join(run_dir, "config.json"), "w"), indent=2)
         for path in logs:
             open(path, "w").close()
-        append_row(logs[0], {"step": 0, **evaluate(model, tokenizer, run.test_set, args, device)})
+        append_row(logs[0], {"step": 0, **evaluate(model, tokenizer, run.test_set, args, device),
+                             "memory/process_before_model_mb": memory_before_model})
         save_checkpoint(run_dir, model, run.optimizer, 0)
     return run
 
@@ -1537,7 +1675,9 @@ def bench_trl(args: Args, out: str, n: int) -> dict:
 
 def main(argv=None) -> int:
     args, obj_overrides = parse_args(argv)
-    if args.bench:
+    if args.dry_run:
+        dry_run(args, obj_overrides)
+    elif args.bench:
         bench(args, obj_overrides)
     elif args.compare:
         compare(args, obj_overrides)
