@@ -40,16 +40,20 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "AGGREGATIONS", "KL_ESTIMATORS", "ObjectiveConfig", "PAPER_DEFAULTS", "OBJECTIVES", "config_for",
-    "needs_ref", "needs_entropy", "masked_sum", "masked_mean", "group_advantages", "token_log_ratio",
-    "sequence_log_ratio", "block_index", "block_log_ratio", "aggregate_loss", "kl_penalty",
-    "token_logprobs_from_logits", "entropy_from_logits", "token_covariance", "dynamic_sampling_mask",
-    "soft_overlong_punishment", "clipped_surrogate",
-    "ppo_clip_loss", "grpo_loss", "dapo_loss", "dr_grpo_loss", "clip_cov_loss", "kl_cov_loss",
-    "gspo_loss", "gspo_token_loss", "tepo_loss", "mpo_loss",
-    "softmax_entropy", "entropy_grad_wrt_logits", "softmax_log_jacobian", "fisher_matrix",
-    "natural_gradient_step", "policy_gradient_step", "first_order_entropy_change",
-    "entropy_change_prediction",
+    # 1. building blocks
+    "masked_sum", "masked_mean", "ADVANTAGE_SCALES", "group_advantages", "token_log_ratio", "sequence_log_ratio",
+    "block_index", "BLOCK_RATIOS", "block_log_ratio", "AGGREGATIONS", "aggregate_loss", "KL_ESTIMATORS",
+    "kl_penalty", "token_logprobs_from_logits", "entropy_from_logits", "token_covariance", "dynamic_sampling_mask",
+    "soft_overlong_punishment",
+    # 2. configuration
+    "ObjectiveConfig", "RATIO_MODES", "ENTROPY_CRITERIA", "KL_TARGETS", "KL_MODES", "BLOCK_AGGREGATIONS",
+    "check_config", "PAPER_DEFAULTS", "TRAINER_FIELDS", "FIELDS_READ", "config_for", "needs_ref", "needs_entropy",
+    # 3. objectives
+    "clipped_surrogate", "ppo_clip_loss", "grpo_loss", "dapo_loss", "dr_grpo_loss", "clip_cov_loss", "kl_cov_loss",
+    "gspo_loss", "gspo_token_loss", "tepo_kl_mask", "tepo_loss", "mpo_loss", "OBJECTIVES",
+    # 4. entropy mathematics
+    "softmax_entropy", "softmax_log_jacobian", "entropy_grad_wrt_logits", "fisher_matrix", "policy_gradient_step",
+    "natural_gradient_step", "first_order_entropy_change", "entropy_change_prediction",
 ]
 
 
@@ -366,7 +370,7 @@ class ObjectiveConfig:
     beta: float = 0.0                # coefficient of the objective's KL term (which KL: see each objective)
     kl_estimator: str = "k3"         # k1 | abs | k2 | k3 | k1+ | k3+
     # aggregation
-    aggregation: str = "token-mean"  # one of AGGREGATIONS
+    aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
     norm_constant: float | None = None  # C of seq-mean-token-sum-norm; None = padded length T
     # advantages and data (read by the trainer, not by the losses)
     advantage_scale: str = "group"   # group | batch | none (Dr. GRPO)
@@ -385,8 +389,8 @@ class ObjectiveConfig:
     block_agg: str = "seq-mean-block-mean"  # seq-mean-block-mean | block-mean | token-weighted
     # Clip-Cov / KL-Cov (Cui et al. 2505.22617)
     clip_cov_ratio: float = 2e-4     # fraction of valid tokens whose gradient Clip-Cov detaches
-    clip_cov_lb: float = 1.0         # Clip-Cov candidates have lb < Cov < ub
-    clip_cov_ub: float = 5.0
+    clip_cov_lb: float = 1.0         # lower bound: Clip-Cov candidates have clip_cov_lb < Cov < clip_cov_ub
+    clip_cov_ub: float = 5.0         # upper bound of the Clip-Cov candidates' covariance
     kl_cov_ratio: float = 2e-3       # fraction of valid tokens (top Cov) that KL-Cov penalises
 
     def __post_init__(self):
@@ -458,6 +462,45 @@ PAPER_DEFAULTS: dict[str, ObjectiveConfig] = {
     # MPO [INFERRED]: K = 4 joint block ratio, GRPO's clip range and per-sequence mean over blocks
     "mpo": ObjectiveConfig(eps_low=0.2, eps_high=0.2, block_size=4, block_ratio="joint",
                            block_agg="seq-mean-block-mean"),
+}
+
+
+# Which ObjectiveConfig fields each objective reads; a field not listed changes nothing for that objective.
+# Where each setting comes from:
+#   eps_low, eps_high     PPO's clip range (Schulman et al., arXiv 1707.06347); eps_high > eps_low is
+#                         DAPO's clip-higher (arXiv 2503.14476)
+#   dual_clip_c           dual-clip PPO (Ye et al., arXiv 1912.09729), on by default in verl's `vanilla` loss
+#   log_ratio_clamp       an implementation guard (verl's clamp), no paper
+#   beta, kl_estimator    GRPO's KL to the reference (DeepSeekMath, arXiv 2402.03300, k3); KL-Cov's and
+#                         TEPO's penalty coefficient and estimator
+#   aggregation           GRPO seq-mean-token-mean, DAPO token-mean, Dr. GRPO (arXiv 2503.20783)
+#   norm_constant         seq-mean-token-sum-norm; Dr. GRPO's constant (its max generation length)
+#   advantage_scale       GRPO's group std ("group"); Dr. GRPO drops it ("none")
+#   adv_eps               an implementation guard in the std division, no paper
+#   dynamic_sampling, overlong_penalty   DAPO (arXiv 2503.14476)
+#   clip_cov_*, kl_cov_ratio             Clip-Cov / KL-Cov (Cui et al., arXiv 2505.22617)
+#   ratio_mode, entropy_criterion, kl_target, kl_mode, kl_tau   TEPO (arXiv 2510.09369), our reconstruction
+#   block_size, block_ratio, block_agg   MPO (arXiv 2602.14386), our reconstruction
+# TRAINER_FIELDS are read by train_small.py (advantages and data) for every objective, never by a loss.
+# MPO reads block_agg instead of aggregation/norm_constant (its unit is a block). Some fields act only
+# together with another: kl_estimator only when beta > 0 (or, for TEPO, kl_mode="hard"), norm_constant
+# only with aggregation="seq-mean-token-sum-norm", dual_clip_c only when it is not None, kl_tau only
+# with kl_mode="hard". test_tepo.py section 14 checks every entry both ways.
+TRAINER_FIELDS = ("advantage_scale", "adv_eps", "dynamic_sampling", "overlong_penalty")
+_CLIP = ("eps_low", "eps_high", "log_ratio_clamp")
+_KL_AND_AGGREGATION = ("beta", "kl_estimator", "aggregation", "norm_constant")
+FIELDS_READ: dict[str, tuple[str, ...]] = {
+    "ppo": _CLIP + ("dual_clip_c",) + _KL_AND_AGGREGATION + TRAINER_FIELDS,
+    "grpo": _CLIP + ("dual_clip_c",) + _KL_AND_AGGREGATION + TRAINER_FIELDS,
+    "dapo": _CLIP + ("dual_clip_c",) + _KL_AND_AGGREGATION + TRAINER_FIELDS,
+    "dr_grpo": _CLIP + ("dual_clip_c",) + _KL_AND_AGGREGATION + TRAINER_FIELDS,
+    "clip_cov": _CLIP + _KL_AND_AGGREGATION + ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub") + TRAINER_FIELDS,
+    "kl_cov": ("log_ratio_clamp",) + _KL_AND_AGGREGATION + ("kl_cov_ratio",) + TRAINER_FIELDS,
+    "gspo": _CLIP + _KL_AND_AGGREGATION + TRAINER_FIELDS,
+    "gspo_token": _CLIP + _KL_AND_AGGREGATION + TRAINER_FIELDS,
+    "tepo": _CLIP + _KL_AND_AGGREGATION + ("ratio_mode", "entropy_criterion", "kl_target", "kl_mode", "kl_tau")
+            + TRAINER_FIELDS,
+    "mpo": _CLIP + ("beta", "kl_estimator", "block_size", "block_ratio", "block_agg") + TRAINER_FIELDS,
 }
 
 

@@ -29,6 +29,7 @@ Layout (sections with comment headers):
 (train_small.py tests go in a later section at the end of this file.)
 """
 
+import dataclasses
 import math
 import os
 import re
@@ -1754,6 +1755,96 @@ def test_needs_ref_and_needs_entropy():
     assert tepo.needs_entropy("tepo", cfg("tepo", entropy_criterion="measured"))
     assert not tepo.needs_entropy("tepo", cfg("tepo", entropy_criterion="cov"))
     assert not tepo.needs_entropy("grpo", cfg("grpo"))
+
+
+# Which fields each objective reads (tepo.FIELDS_READ), proved both ways on random off-policy inputs.
+# Each field has valid values other than its default; a context switches on the settings some fields
+# need before they can act (beta > 0 for kl_estimator, seq-mean-token-sum-norm for norm_constant, a
+# dual clip, Clip-Cov bounds wide enough to select tokens, TEPO's hard mask for kl_tau).
+FIELD_VALUES = {
+    "eps_low": (0.05, 0.5), "eps_high": (0.05, 0.5), "dual_clip_c": (1.5, None), "log_ratio_clamp": (1e-4, 0.5),
+    "beta": (0.0, 0.5), "kl_estimator": ("k1", "k2", "abs"), "aggregation": ("seq-mean-token-sum", "token-mean"),
+    "norm_constant": (3.0, None), "advantage_scale": ("none", "batch"), "adv_eps": (0.1, 1e-3),
+    "dynamic_sampling": (True, False), "overlong_penalty": (True, False), "ratio_mode": ("gmpo", "gspo_token"),
+    "entropy_criterion": ("measured", "cov"), "kl_target": ("ref", "old"), "kl_mode": ("hard", "soft"),
+    "kl_tau": (0.05, 0.0), "block_size": (2, 3), "block_ratio": ("geomean", "joint"),
+    "block_agg": ("block-mean", "token-weighted"), "clip_cov_ratio": (0.5, 0.05), "clip_cov_lb": (0.0, -100.0),
+    "clip_cov_ub": (0.0, 100.0), "kl_cov_ratio": (0.5, 0.05),
+}
+ACTIVE = dict(beta=0.5, kl_estimator="k3", aggregation="seq-mean-token-sum-norm", norm_constant=5.0, dual_clip_c=2.0,
+              clip_cov_ratio=0.2, clip_cov_lb=-100.0, clip_cov_ub=100.0, kl_cov_ratio=0.2)
+FIELD_CONTEXTS = [{}, ACTIVE, dict(ACTIVE, kl_mode="hard", kl_tau=0.05)]
+
+
+def loss_and_grad_per_value(name, field, x):
+    """(context, value, loss, grad) for every context and every valid value of `field` (base value included)."""
+    out = []
+    for context in FIELD_CONTEXTS:
+        base = cfg(name, **context)
+        for value in (getattr(base, field),) + FIELD_VALUES[field]:
+            try:
+                c = cfg(name, **dict(context, **{field: value}))
+            except ValueError:       # e.g. clip_cov_ub below clip_cov_lb: not a valid value here
+                continue
+            torch.manual_seed(0)     # Clip-Cov draws its tokens from the global RNG
+            loss, grad, _ = run_x(name, x, c)
+            out.append((id(context), value, loss, grad))
+    return out
+
+
+def test_fields_read_names_real_fields_and_every_objective():
+    fields = {f.name for f in dataclasses.fields(tepo.ObjectiveConfig)}
+    assert set(tepo.FIELDS_READ) == set(tepo.OBJECTIVES)
+    assert set(FIELD_VALUES) == fields
+    for name, read in tepo.FIELDS_READ.items():
+        assert set(read) <= fields and len(set(read)) == len(read), name
+        assert set(tepo.TRAINER_FIELDS) <= set(read), name
+
+
+@pytest.mark.parametrize("name", sorted(tepo.OBJECTIVES))
+def test_fields_an_objective_does_not_read_leave_loss_and_gradient_bit_identical(name):
+    """Every field missing from FIELDS_READ[name], and every trainer-side field, changes nothing in the loss."""
+    x = make_inputs(B=8, T=7, seed=11, noise=0.5)
+    unread = [f.name for f in dataclasses.fields(tepo.ObjectiveConfig)
+              if f.name not in tepo.FIELDS_READ[name] or f.name in tepo.TRAINER_FIELDS]
+    for field in unread:
+        results = loss_and_grad_per_value(name, field, x)
+        compared = 0
+        for context_id, value, loss, grad in results:
+            first = next(r for r in results if r[0] == context_id)
+            if value != first[1]:
+                compared += 1
+                assert torch.equal(loss, first[2]) and torch.equal(grad, first[3]), (name, field, value)
+        assert compared > 0, (name, field)
+
+
+@pytest.mark.parametrize("name", sorted(tepo.OBJECTIVES))
+def test_every_field_an_objective_reads_changes_its_loss_or_gradient(name):
+    """Every loss-side field in FIELDS_READ[name] changes loss or gradient for some valid value and context."""
+    x = make_inputs(B=8, T=7, seed=11, noise=0.5)
+    for field in set(tepo.FIELDS_READ[name]) - set(tepo.TRAINER_FIELDS):
+        results = loss_and_grad_per_value(name, field, x)
+        firsts = {r[0]: r for r in reversed(results)}
+        assert any(not (torch.equal(loss, firsts[cid][2]) and torch.equal(grad, firsts[cid][3]))
+                   for cid, _, loss, grad in results), (name, field)
+
+
+def test_all_lists_every_public_name_once():
+    public = {n for n, v in vars(tepo).items() if not n.startswith("_") and getattr(v, "__module__", "tepo") == "tepo"
+              and not isinstance(v, type(os))} - {"annotations"}
+    assert sorted(tepo.__all__) == sorted(public) and len(set(tepo.__all__)) == len(tepo.__all__)
+
+
+def test_every_config_field_has_its_own_comment_without_python_names():
+    """train_small.py shows these comments as --help: each field needs one, in words (no tepo constant names)."""
+    import inspect
+    lines = inspect.getsource(tepo.ObjectiveConfig).splitlines()
+    constants = [n for n in dir(tepo) if n.isupper() and not n.startswith("_")]
+    for f in dataclasses.fields(tepo.ObjectiveConfig):
+        line = next(line for line in lines if re.match(rf"\s+{f.name}\s*:", line))
+        comment = line.split("#", 1)[1].strip() if "#" in line else ""
+        assert comment, f.name
+        assert not [n for n in constants if re.search(rf"\b{n}\b", comment)], (f.name, comment)
 
 
 # =============================================================================
