@@ -596,9 +596,12 @@ def _aggregate(loss_mat, mask, cfg, num_tokens, num_seqs):
                           norm_constant=cfg.norm_constant)
 
 
-def _finish(pg_loss, kl_mat, logp, old_logp, ratio, clipped_low, clipped_high, mask, cfg,
-            num_tokens, num_seqs, ref_logp=None, extra=None):
+def _finish(pg_loss, kl_mat, logp, old_logp, mask, cfg, *, ratio, clipped_low, clipped_high, num_tokens,
+            num_seqs, ref_logp=None, extra=None):
     """Add the KL part (aggregated like the policy-gradient part) and gather the metrics.
+
+    pg_loss is the aggregated policy-gradient loss, kl_mat the per-token KL part [B, T] (None: no
+    KL part); ratio, clipped_low and clipped_high [B, T] are what the objective clipped, per token.
 
     Metrics (floats; token statistics over valid tokens only):
       loss, pg_loss, kl_loss         the loss and its parts (loss = pg_loss + beta * kl_loss)
@@ -665,8 +668,8 @@ def ppo_clip_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entro
     pg_mat, low, high = clipped_surrogate(ratio, adv, cfg.eps_low, cfg.eps_high, cfg.dual_clip_c)
     kl_mat = _reference_kl(logp, ref_logp, cfg, "ppo")
     pg_loss = _aggregate(pg_mat, mask, cfg, num_tokens, num_seqs)
-    return _finish(pg_loss, kl_mat, logp, old_logp, ratio, low, high, mask, cfg, num_tokens, num_seqs,
-                   ref_logp)
+    return _finish(pg_loss, kl_mat, logp, old_logp, mask, cfg, ratio=ratio, clipped_low=low, clipped_high=high,
+                   num_tokens=num_tokens, num_seqs=num_seqs, ref_logp=ref_logp)
 
 
 # ---- 3.2 GRPO (DeepSeekMath, Shao et al. 2024, arXiv 2402.03300) -----------------------------------
@@ -683,9 +686,9 @@ def grpo_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=N
     Paper: arXiv 2402.03300. TRL 1.16: GRPOTrainer(loss_type="grpo", beta=0.04). verl 0.9.1:
     algorithm.adv_estimator=grpo, loss_agg_mode=seq-mean-token-mean, use_kl_loss=True,
     kl_loss_type=low_var_kl; verl's `vanilla` loss always dual-clips (c = 3), which tepo's GRPO, DAPO
-    and Dr. GRPO defaults do not (dual_clip_c=3 to match). DeepSeekMath made one update per rollout, so r = 1 and the clip never
-    acted (metrics: on_policy = 1); a group whose rewards are all equal has A = 0 and contributes
-    only its KL gradient.
+    and Dr. GRPO defaults do not (dual_clip_c=3 to match). DeepSeekMath made one update per
+    rollout, so r = 1 and the clip never acted (metrics: on_policy = 1); a group whose rewards are
+    all equal has A = 0 and contributes only its KL gradient.
     """
     return ppo_clip_loss(logp, old_logp, advantages, mask, cfg, ref_logp=ref_logp,
                          num_tokens=num_tokens, num_seqs=num_seqs)
@@ -769,8 +772,8 @@ def clip_cov_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entro
     kl_mat = _reference_kl(logp, ref_logp, cfg, "clip_cov")
     extra = {"cov/n_selected": torch.tensor(float(n_clip)), "cov/mean": masked_mean(cov, mask)}
     pg_loss = _aggregate(pg_mat, mask, cfg, num_tokens, num_seqs)
-    return _finish(pg_loss, kl_mat, logp, old_logp, ratio, low, high, mask, cfg, num_tokens, num_seqs,
-                   ref_logp, extra)
+    return _finish(pg_loss, kl_mat, logp, old_logp, mask, cfg, ratio=ratio, clipped_low=low, clipped_high=high,
+                   num_tokens=num_tokens, num_seqs=num_seqs, ref_logp=ref_logp, extra=extra)
 
 
 def kl_cov_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None,
@@ -805,8 +808,8 @@ def kl_cov_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy
     no_clip = torch.zeros_like(mask)
     extra = {"cov/n_selected": torch.tensor(float(k)), "cov/mean": masked_mean(cov, mask)}
     pg_loss = _aggregate(pg_mat, mask, cfg, num_tokens, num_seqs)
-    return _finish(pg_loss, kl_mat, logp, old_logp, ratio, no_clip, no_clip, mask, cfg, num_tokens,
-                   num_seqs, None, extra)
+    return _finish(pg_loss, kl_mat, logp, old_logp, mask, cfg, ratio=ratio, clipped_low=no_clip,
+                   clipped_high=no_clip, num_tokens=num_tokens, num_seqs=num_seqs, extra=extra)
 
 
 # ---- 3.6 GSPO (Zheng et al. 2025, Qwen team, arXiv 2507.18071) ---------------------------------------
@@ -838,8 +841,8 @@ def gspo_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=N
     kl_mat = _reference_kl(logp, ref_logp, cfg, "gspo")
     as_tokens = lambda x: x.unsqueeze(-1).expand_as(logp)   # noqa: E731  (sequence stat per token)
     pg_loss = _aggregate(pg_mat, mask, cfg, num_tokens, num_seqs)
-    return _finish(pg_loss, kl_mat, logp, old_logp, as_tokens(s), as_tokens(low), as_tokens(high), mask,
-                   cfg, num_tokens, num_seqs, ref_logp)
+    return _finish(pg_loss, kl_mat, logp, old_logp, mask, cfg, ratio=as_tokens(s), clipped_low=as_tokens(low),
+                   clipped_high=as_tokens(high), num_tokens=num_tokens, num_seqs=num_seqs, ref_logp=ref_logp)
 
 
 def _sequence_ratio_per_token(logp, old_logp, mask, clamp):
@@ -865,7 +868,8 @@ def gspo_token_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, ent
     pg_mat, low, high = clipped_surrogate(w, adv, cfg.eps_low, cfg.eps_high)
     kl_mat = _reference_kl(logp, ref_logp, cfg, "gspo_token")
     pg_loss = _aggregate(pg_mat, mask, cfg, num_tokens, num_seqs)
-    return _finish(pg_loss, kl_mat, logp, old_logp, w, low, high, mask, cfg, num_tokens, num_seqs, ref_logp)
+    return _finish(pg_loss, kl_mat, logp, old_logp, mask, cfg, ratio=w, clipped_low=low, clipped_high=high,
+                   num_tokens=num_tokens, num_seqs=num_seqs, ref_logp=ref_logp)
 
 
 # ---- 3.7 TEPO (Lin et al. 2025/2026, arXiv 2510.09369 v1, 2604.12736 v2, ACL 2026) -- RECONSTRUCTION
@@ -958,8 +962,8 @@ def tepo_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=N
     extra = {"kl_mask/frac": masked_mean(kl_mask.to(logp.dtype), mask),
              "kl_mask/penalty": masked_mean(torch.where(kl_mask, D, zero).detach(), mask)}
     pg_loss = _aggregate(pg_mat, mask, cfg, num_tokens, num_seqs)
-    return _finish(pg_loss, kl_mat, logp, old_logp, w, low, high, mask, cfg, num_tokens, num_seqs,
-                   ref_logp, extra)
+    return _finish(pg_loss, kl_mat, logp, old_logp, mask, cfg, ratio=w, clipped_low=low, clipped_high=high,
+                   num_tokens=num_tokens, num_seqs=num_seqs, ref_logp=ref_logp, extra=extra)
 
 
 # ---- 3.8 MPO (Xu et al. 2026, arXiv 2602.14386) -- RECONSTRUCTION ----------------------------------
@@ -1004,8 +1008,9 @@ def mpo_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=No
                                         else "seq-mean-token-mean")
         pg_loss = _aggregate(blk_loss, n_blk > 0, token_cfg, None, num_seqs)
     kl_mat = _reference_kl(logp, ref_logp, cfg, "mpo")       # per token, aggregated like the blocks
-    return _finish(pg_loss, kl_mat, logp, old_logp, per_token(rho), per_token(blk_low),
-                   per_token(blk_high), mask, token_cfg, num_tokens, num_seqs, ref_logp)
+    return _finish(pg_loss, kl_mat, logp, old_logp, mask, token_cfg, ratio=per_token(rho),
+                   clipped_low=per_token(blk_low), clipped_high=per_token(blk_high), num_tokens=num_tokens,
+                   num_seqs=num_seqs, ref_logp=ref_logp)
 
 
 OBJECTIVES = {
@@ -1030,6 +1035,13 @@ OBJECTIVES = {
 # The result (Cui et al. 2505.22617; TEPO's appendix): a natural-policy-gradient step z <- z + eta A
 # changes the entropy by  -eta Cov_{a~p}(log p_a, A_a)  to first order. Confident actions with
 # positive advantage, and rare actions with negative advantage, lower entropy.
+# The steps, in the order of the functions below:
+#   1. the softmax Jacobian d log p_a / d z_b            softmax_log_jacobian
+#   2. the entropy gradient dH/dz                         entropy_grad_wrt_logits
+#   3. the Fisher matrix F = diag(p) - p p^T              fisher_matrix
+#   4. the vanilla policy-gradient step, dJ/dz = F A      policy_gradient_step
+#   5. the natural-gradient step, F^+ F A = A + const     natural_gradient_step
+#   6. the first-order entropy change -Cov(log p, dz)     first_order_entropy_change
 # All functions take z[..., V] and work on any leading batch shape.
 
 def softmax_entropy(z: torch.Tensor) -> torch.Tensor:
@@ -1039,7 +1051,7 @@ def softmax_entropy(z: torch.Tensor) -> torch.Tensor:
 
 
 def softmax_log_jacobian(z: torch.Tensor) -> torch.Tensor:
-    """Step 2: d log p_a / d z_b = 1[a = b] - p_b.                                [..., V] -> [..., V, V]
+    """Step 1: d log p_a / d z_b = 1[a = b] - p_b.                                [..., V] -> [..., V, V]
 
     (Row a, column b.) Equivalently d p_a / d z_b = p_a (1[a = b] - p_b).
     """
@@ -1049,10 +1061,10 @@ def softmax_log_jacobian(z: torch.Tensor) -> torch.Tensor:
 
 
 def entropy_grad_wrt_logits(z: torch.Tensor) -> torch.Tensor:
-    """Steps 1-2: dH/dz_b = -p_b (log p_b - E_p[log p]).                             [..., V] -> [..., V]
+    """Step 2: dH/dz_b = -p_b (log p_b - E_p[log p]).                                [..., V] -> [..., V]
 
-    Step 1: dH/dz_b = -sum_a (dp_a/dz_b)(log p_a + 1) = -sum_a (dp_a/dz_b) log p_a, since the
-    probabilities sum to one (sum_a dp_a/dz_b = 0). Step 2 substitutes dp_a/dz_b.
+    Differentiate H: dH/dz_b = -sum_a (dp_a/dz_b)(log p_a + 1) = -sum_a (dp_a/dz_b) log p_a, since
+    the probabilities sum to one (sum_a dp_a/dz_b = 0). Then substitute step 1's dp_a/dz_b.
     Raising the logit of an action more probable than "average" (log p_b > E log p) lowers entropy.
     """
     logp = torch.log_softmax(z, dim=-1)
@@ -1071,13 +1083,13 @@ def fisher_matrix(z: torch.Tensor) -> torch.Tensor:
 
 
 def policy_gradient_step(z: torch.Tensor, A: torch.Tensor, eta: float) -> torch.Tensor:
-    """Vanilla PG on J = E_p[A]: dJ/dz = p (A - E_p A) = F A, so z <- z + eta p (A - E_p A)."""
+    """Step 4: vanilla PG on J = E_p[A]: dJ/dz = p (A - E_p A) = F A, so z <- z + eta p (A - E_p A)."""
     p = torch.softmax(z, dim=-1)
     return z + eta * p * (A - (p * A).sum(-1, keepdim=True))
 
 
 def natural_gradient_step(z: torch.Tensor, A: torch.Tensor, eta: float) -> torch.Tensor:
-    """Step 3: NPG, z <- z + eta F^+ dJ/dz. Since dJ/dz = F A, F^+ F A = A - c 1, and the step is
+    """Step 5: NPG, z <- z + eta F^+ dJ/dz. Since dJ/dz = F A, F^+ F A = A - c 1, and the step is
     z + eta A up to a constant that does not change p. Computed here with the pseudo-inverse so the
     claim can be checked, not assumed.                                           [..., V] -> [..., V]
     """
@@ -1087,7 +1099,7 @@ def natural_gradient_step(z: torch.Tensor, A: torch.Tensor, eta: float) -> torch
 
 
 def first_order_entropy_change(z: torch.Tensor, delta_z: torch.Tensor) -> torch.Tensor:
-    """Step 4: H(z + dz) - H(z) ~= <dH/dz, dz> = -Cov_{a~p}(log p_a, dz_a).           [..., V] -> [...]
+    """Step 6: H(z + dz) - H(z) ~= <dH/dz, dz> = -Cov_{a~p}(log p_a, dz_a).           [..., V] -> [...]
 
     Exact as a derivative: d/dt H(z + t u) at t = 0 is -Cov(log p, u). With dz = eta A (NPG) this
     is -eta Cov(log p, A); with dz = eta p (A - E_p A) (vanilla PG) it is
