@@ -5,7 +5,8 @@ Read it top to bottom, like a chapter:
   1. Building blocks   masked means, group-relative advantages, importance ratios (token, sequence,
                        K-token block), loss aggregation, KL estimators, log-probs and entropy from
                        logits, the per-token covariance, DAPO's two data-side pieces.
-  2. Configuration     one dataclass with every switch, and the paper defaults of each objective.
+  2. Configuration     one dataclass with every switch, the paper defaults of each objective, and
+                       which switches each objective reads (FIELDS_READ).
   3. Objectives        one function per objective, in historical order, all with the same signature
                            fn(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None,
                               old_entropy=None, num_tokens=None, num_seqs=None) -> (loss, metrics)

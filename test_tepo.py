@@ -1609,7 +1609,7 @@ def test_kl_old_metrics_average_valid_tokens_only(name, ov):
     _, _, m = run_x(name, x, cfg(name, **ov))
     vt = valid_tokens(x.mask)
     d = [float(x.logp[i, t] - x.old[i, t]) for i, t in vt]
-    # KL(pi_old || pi_theta) from rollout tokens: x = old - logp = -delta (verl ppo_kl = mean(-delta))
+    # KL(pi_old || pi_theta) from rollout tokens: x = old - logp = -delta (verl's ppo_kl: mean of the clamped -delta)
     assert math.isclose(m["kl_old/k1"], -sum(d) / len(d), rel_tol=1e-9)
     assert math.isclose(m["kl_old/k3"], sum(math.exp(v) - v - 1 for v in d) / len(d), rel_tol=1e-9)
 
