@@ -1,9 +1,98 @@
-"""Unit tests for tepo.py.
+"""Unit tests for tepo.py (sections 1-14) and train_small.py / the notebooks (sections 15-16).
 
-Every numbered property of ALGORITHMS.md section 9 (1-36) has at least one test
-here, named after what it proves; the property number is given in each docstring.
-The tests also rule out the bugs of ANCHORS.md section 2, check bad-argument
-errors, padding invariance, gradient-accumulation exactness, NaN-freedom and bf16.
+What the tests prove. Each numbered property below has at least one test, named after what it
+proves; its docstring gives the number. "At ratio 1" means old_logp = logp.detach() (one update
+per rollout); gradients are taken with autograd in float64 w.r.t. logp.
+
+Building blocks (tepo.py section 1)
+  1. Group advantages sum to 0 in each group, have unbiased std ~1, do not change when the rewards
+     are mapped r -> a r + b (a > 0), are exactly 0 for a group of equal rewards, and Dr. GRPO's
+     (no std) equal the normalised ones times the std.
+  2. Aggregation: at equal lengths L, token-mean = seq-mean-token-mean and seq-mean-token-sum =
+     L x token-mean; padded entries never change a value or a gradient (for every objective).
+  3. KL estimators, summed exactly over a categorical: E[k1] = E[k3] = KL(pi || pi_ref); k3 >= 0, and
+     k3 and its gradient are 0 at pi = pi_ref; k1+ / k3+ have k1's / k3's value and k2's gradient.
+PPO-clip, GRPO, DAPO, Dr. GRPO (arXiv 1707.06347, 2402.03300, 2503.14476, 2503.20783)
+  4. At ratio 1 the clipped surrogate's per-token gradient is -A times the aggregation weight, for
+     any clip range.
+  5. A token outside the band in the direction its advantage pushes (A > 0 and r > 1 + eps_high,
+     or A < 0 and r < 1 - eps_low) has zero gradient; with dual-clip, A < 0 and r > c give the loss
+     -A c and zero gradient.
+  6. GRPO at ratio 1 (beta = 0): gradient -(1/G) A_i / |o_i| on every token of sequence i.
+  7. DAPO at ratio 1: gradient -A_i / sum_i |o_i|; equal to GRPO when every length is equal.
+  8. Dr. GRPO at ratio 1: gradient -A~_i / (G L) with L the constant C: no token's weight depends
+     on its sequence's length; seq-mean-token-sum-norm divides the sum by B * C.
+  9. DAPO's soft overlong punishment with L_max = 20480, L_cache = 4096: 0 at 16384, -0.5 at 18432,
+     -1 at 20480 and beyond, never rising with length.
+ 10. Dynamic sampling drops exactly the groups whose rewards are all equal.
+ 11. GRPO's KL term at pi_theta = pi_ref: value 0, gradient 0.
+GSPO, GSPO-token (arXiv 2507.18071)
+ 12. At ratio 1 every s_i = 1 and GSPO's gradient equals GRPO's (property 6).
+ 13. If every token ratio of a sequence is c, then s_i = c whatever its length.
+ 14. GSPO-token with A_{i,t} = A_i equals GSPO in value, gradient and clipping, off-policy too.
+ 15. A sequence is clipped as a unit: s_i > 1 + eps_high with A_i > 0 zeroes the gradient of every
+     one of its tokens, even those whose own ratio is inside the band.
+ 16. The token form logp - sg(logp) + sg(log s_i) with seq-mean-token-mean gives exactly the
+     gradient (1/B) sum_i s_i A_i (1/|o_i|) sum_t d log pi_{i,t} where nothing is clipped.
+TEPO (arXiv 2510.09369; our reconstruction, tepo.py section 3.7)
+ 17. With an empty mask or beta = 0, TEPO is GSPO-token's ratio with token-mean; at ratio 1 its
+     gradient is DAPO's (property 7).
+ 18. Putting s_i itself on every token (gradient through s_i) gives the same value and gradient
+     under token-mean.
+ 19. The KL mask holds only valid tokens with A_i > 0, and is built from detached tensors only.
+ 20. With entropy_criterion="cov" and centred advantages, M_{i,t} = 1 exactly when A_i > 0 and
+     log pi_{i,t} is above the batch mean of log pi.
+ 21. With kl_target="old" (abs or k3) the KL term has value 0 and gradient 0 at ratio 1, so TEPO's
+     gradient is DAPO's; with the hard mask and tau > 0 no token is dropped there.
+ 22. Off-policy with the abs estimator, beta changes the gradient by beta M sign(delta) / N_tokens
+     per masked token and nowhere else.
+ 23. At equal lengths TEPO (empty mask) and GSPO have the same gradient for any ratios; otherwise
+     TEPO weighs sequence i by |o_i| / mean |o| relative to GSPO.
+MPO (arXiv 2602.14386; our reconstruction, tepo.py section 3.8)
+ 24. K = 1 is the token-level clipped surrogate: GRPO with seq-mean-block-mean, DAPO with
+     token-weighted, in value and gradient, on- and off-policy.
+ 25. K >= the longest answer: geomean with seq-mean-block-mean is GSPO exactly; joint is the full
+     product of the token ratios.
+ 26. A response of L tokens has ceil(L / K) blocks, the last of L - (J - 1) K tokens in [1, K], and
+     the block counts add up to L.
+ 27. joint: log rho = sum of the block's deltas, d rho / d logp_t = rho on each of its tokens, and
+     permuting tokens inside a block changes nothing.
+ 28. At ratio 1 with joint and seq-mean-block-mean the gradient is -(1/G) A_i / J_i (about K times
+     GRPO's per-token weight); geomean gives GRPO's exactly when K divides every length.
+ 29. A block outside the band (in the direction of A) has zero gradient on all its tokens and the
+     other blocks are unaffected.
+Entropy mathematics (tepo.py section 4; Cui et al. arXiv 2505.22617)
+ 30. For any logits z and direction u, d/dt H(softmax(z + t u)) at t = 0 is exactly
+     -Cov_{a~p}(log p_a, u_a).
+ 31. The natural-gradient step is z + eta A up to a constant, so its entropy change is
+     -eta Cov(log p, A) to first order.
+ 32. The vanilla policy-gradient step's entropy change is -eta Cov(log p, p (A - E_p A)): the
+     advantage must be centred.
+ 33. A rising with log p lowers entropy under the natural-gradient step; A = -log p raises it.
+Clip-Cov, KL-Cov (Cui et al. arXiv 2505.22617)
+ 34. Clip-Cov zeroes the gradient of exactly min(max(1, int(ratio N)), #candidates) tokens drawn
+     from the valid, not PPO-clipped tokens with lb < Cov < ub, leaves every other token as PPO-clip
+     does, and draws the same tokens under the same seed.
+ 35. KL-Cov at ratio 1 is the unclipped policy gradient -A r; off-policy its top-k tokens by Cov
+     (k = max(1, int(N ratio))) get beta sign(delta) more gradient.
+ 36. At ratio 1 and equal lengths, GRPO, GSPO, GSPO-token, DAPO, TEPO (empty mask) and MPO (K = 1)
+     share the gradient direction, up to known constants.
+Pitfalls small RL projects have shipped, each ruled out by name
+ 37. Entropy is the full-vocabulary entropy -sum_v p_v log p_v, not the sampled token's -log p.
+ 38. At ratio 1 the clipped surrogate's gradient is A d log pi, with no factor 2.
+ 39. The KL term is masked once, and a logged KL averages over valid tokens only, never padding.
+ 40. When the pad id equals the end-of-sequence id, the end token stays in the loss (section 15).
+ 41. Gradient accumulation: micro-batches aggregated with the whole batch's token or sequence
+     count add up to the whole batch's loss and gradient.
+ 42. Log-probs are taken at the sampling temperature, log_softmax(logits / T).
+ 43. NaN or inf at padded positions never reaches the loss, the gradient or a metric.
+ 44. When an objective cannot act (at ratio 1 clipping, GSPO's clip, TEPO's KL to the old policy
+     and KL-Cov's penalty do nothing) the on_policy metric says so.
+Configuration
+ 45. tepo.FIELDS_READ is exact: changing a field an objective does not declare leaves its loss and
+     gradient bit-identical, and every field it declares changes them for some valid value.
+Besides these: one-line ValueErrors naming the bad argument and the valid choices, fully masked
+rows giving finite zeros, bf16 inputs staying close to float64, and finite values at extreme ratios.
 
 Rules followed throughout:
 * float64, gradients by torch.autograd w.r.t. ``logp``;
@@ -22,13 +111,15 @@ Layout (sections with comment headers):
   8. entropy: logits helpers and the entropy mathematics
   9. Clip-Cov / KL-Cov
  10. cross-method sanity
- 11. robustness: padding, empty rows, extreme ratios, bf16, metrics (ANCHORS bugs)
- 12. gradient accumulation
+ 11. robustness: padding, empty rows, extreme ratios, bf16, metrics (properties 39, 43, 44)
+ 12. gradient accumulation (property 41)
  13. bad arguments (ValueError)
- 14. configuration
-(train_small.py tests go in a later section at the end of this file.)
+ 14. configuration (property 45)
+ 15. train_small.py
+ 16. notebooks
 """
 
+import dataclasses
 import math
 import os
 import re
@@ -133,7 +224,7 @@ def ref_group_adv(rewards, G, scale="group", eps=1e-6):
 
 
 def ref_cov(logp, adv, mask):
-    """Per-token covariance of ALGORITHMS 6.2 by a plain loop (means over valid tokens)."""
+    """Per-token covariance (tepo.token_covariance, section 1) by a plain loop (means over valid tokens)."""
     B, T = logp.shape
     A = adv if adv.dim() == 2 else adv[:, None].expand(B, T)
     vt = valid_tokens(mask)
@@ -213,7 +304,8 @@ SWEEP_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" fo
 def test_group_advantages_zero_mean_unit_std_and_match_loop(n_groups, G, seed, identical):
     """Property 1: per group sum(A)=0, unbiased std(A) = s/(s+eps), equals the loop."""
     g = torch.Generator().manual_seed(seed)
-    r = torch.randint(0, 3, (n_groups * G,), generator=g).to(F64) + 0.5 * torch.rand(n_groups * G, generator=g, dtype=F64)
+    n = n_groups * G
+    r = torch.randint(0, 3, (n,), generator=g).to(F64) + 0.5 * torch.rand(n, generator=g, dtype=F64)
     if identical:
         r[:G] = 1.0
     adv = tepo.group_advantages(r, G)
@@ -316,7 +408,7 @@ def test_aggregate_loss_matches_loop_and_skips_empty_sequences(mode):
 
 
 def test_aggregate_loss_seq_mean_token_sum_norm_divides_by_num_seqs_times_constant():
-    """0.3 / property 8: seq-mean-token-sum-norm = sum / (B * C), C = T by default."""
+    """Property 8: seq-mean-token-sum-norm = sum / (B * C), C = T by default."""
     x = make_inputs(B=4, T=6, lengths=[6, 1, 4, 3], seed=2)
     l = torch.randn(4, 6, generator=torch.Generator().manual_seed(3), dtype=F64)
     m = "seq-mean-token-sum-norm"
@@ -473,7 +565,7 @@ def test_dynamic_sampling_removes_identical_float_rewards_with_inexact_std():
 
 
 # =============================================================================
-# 3. PPO-clip (properties 4, 5; ANCHORS bug 2)
+# 3. PPO-clip (properties 4, 5, 38)
 # =============================================================================
 
 @pytest.mark.parametrize("el,eh", [(0.0, 0.0), (0.1, 0.1), (0.2, 0.28), (1.0, 10.0)])
@@ -491,7 +583,7 @@ def test_ppo_gradient_at_ratio_one_is_minus_advantage_over_token_count_for_any_e
 
 
 def test_ppo_on_policy_parameter_gradient_is_exactly_A_grad_logpi_without_factor_two():
-    """ANCHORS bug 2: on-policy, d loss/d logits = -(A/N) (onehot - softmax), no factor 2."""
+    """Property 38: on-policy, d loss/d logits = -(A/N) (onehot - softmax), no factor 2."""
     g = torch.Generator().manual_seed(8)
     B, T, V = 3, 4, 5
     theta = torch.randn(B, T, V, generator=g, dtype=F64, requires_grad=True)
@@ -1010,12 +1102,12 @@ def test_mpo_block_is_clipped_as_a_unit_and_other_blocks_are_unaffected():
 
 
 # =============================================================================
-# 8. Entropy: logits helpers (ANCHORS bugs 1, 6) and mathematics (properties 30-33)
+# 8. Entropy: logits helpers (properties 37, 42) and mathematics (properties 30-33)
 # =============================================================================
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.6])
 def test_entropy_from_logits_is_full_vocabulary_entropy(temperature):
-    """ANCHORS bug 1: entropy is -sum_v p_v log p_v over the whole vocabulary of softmax(z/T),
+    """Property 37: entropy is -sum_v p_v log p_v over the whole vocabulary of softmax(z/T),
     not the sampled token's -log p; computed without grad."""
     g = torch.Generator().manual_seed(30)
     logits = (torch.randn(2, 3, 11, generator=g, dtype=F64) * 3).requires_grad_(True)
@@ -1058,7 +1150,7 @@ def test_entropy_from_logits_chunked_equals_unchunked():
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6, 1.5])
 def test_token_logprobs_from_logits_use_the_sampling_temperature(temperature):
-    """ANCHORS bug 6: log-probs at temperature T are log_softmax(logits / T) gathered."""
+    """Property 42: log-probs at temperature T are log_softmax(logits / T) gathered."""
     g = torch.Generator().manual_seed(32)
     logits = torch.randn(2, 4, 9, generator=g, dtype=F64) * 3
     tokens = torch.randint(0, 9, (2, 4), generator=g)
@@ -1070,7 +1162,7 @@ def test_token_logprobs_from_logits_use_the_sampling_temperature(temperature):
             m = max(zs)
             exp[b, t] = zs[int(tokens[b, t])] - (m + math.log(sum(math.exp(v - m) for v in zs)))
     assert_close(got, exp, atol=2e-6, rtol=1e-6)  # float64 precision: test_logits_helpers_keep_float64
-    if temperature != 1.0:  # untempered log-probs (bug 6) are far off
+    if temperature != 1.0:  # untempered log-probs (property 42) are far off
         assert (tepo.token_logprobs_from_logits(logits, tokens) - exp).abs().max() > 0.1
     lg = logits.clone().requires_grad_(True)
     assert tepo.token_logprobs_from_logits(lg, tokens, temperature=temperature).requires_grad
@@ -1181,8 +1273,8 @@ def test_entropy_change_prediction_is_minus_cov_and_matches_measured_for_small_s
             zt = before[n] / temperature
             p, lp = torch.softmax(zt, -1), torch.log_softmax(zt, -1)
             assert_close(pred[n], -cov_p(p, lp, step * direction[n] / temperature), atol=1e-14)
-            assert_close(meas[n], py_entropy(after[n].tolist(), temperature) - py_entropy(before[n].tolist(), temperature),
-                         atol=1e-13)
+            expected = py_entropy(after[n].tolist(), temperature) - py_entropy(before[n].tolist(), temperature)
+            assert_close(meas[n], expected, atol=1e-13)
         err = float(((pred - meas) / meas).abs().max())
         if prev_err is not None:
             assert err < prev_err / 5
@@ -1354,7 +1446,7 @@ def test_all_group_objectives_share_the_gradient_at_ratio_one_with_equal_lengths
 
 
 # =============================================================================
-# 11. Robustness: padding, empty rows, extreme ratios, bf16, metrics (ANCHORS bugs 3, 7, 8)
+# 11. Robustness: padding, empty rows, extreme ratios, bf16, metrics (properties 39, 43, 44)
 # =============================================================================
 
 @pytest.mark.parametrize("name,ov", SWEEP, ids=SWEEP_IDS)
@@ -1390,7 +1482,7 @@ def test_padding_never_changes_loss_gradient_or_metrics(name, ov, B, T, seed):
 
 @pytest.mark.parametrize("name,ov", SWEEP, ids=SWEEP_IDS)
 def test_nonfinite_values_at_padding_do_not_leak_into_loss_gradient_or_metrics(name, ov):
-    """ANCHORS bug 7: NaN / -inf log-probs at masked positions (e.g. pad tokens) must not
+    """Property 43: NaN / -inf log-probs at masked positions (e.g. pad tokens) must not
     reach the loss, gradients or metrics through multiply-by-mask."""
     x = make_inputs(B=4, T=6, lengths=[6, 3, 0, 4], seed=46, noise=0.3)
     c = cfg(name, **ov)
@@ -1492,7 +1584,7 @@ def test_bf16_inputs_give_finite_loss_close_to_float64(name, ov):
 
 @pytest.mark.parametrize("name,ov", SWEEP, ids=SWEEP_IDS)
 def test_on_policy_metric_is_one_exactly_when_old_logp_equals_logp(name, ov):
-    """ANCHORS bug 8: 'on_policy' = 1.0 when old_logp == logp.detach() on valid tokens
+    """Property 44: 'on_policy' = 1.0 when old_logp == logp.detach() on valid tokens
     (whatever padding holds), 0.0 as soon as one valid token differs."""
     x = make_inputs(B=4, T=5, lengths=[5, 2, 4, 3], seed=52)
     c = cfg(name, **ov)
@@ -1510,14 +1602,14 @@ def test_on_policy_metric_is_one_exactly_when_old_logp_equals_logp(name, ov):
 
 @pytest.mark.parametrize("name,ov", SWEEP, ids=SWEEP_IDS)
 def test_kl_old_metrics_average_valid_tokens_only(name, ov):
-    """ANCHORS bug 3: logged KL to old = mean over valid tokens of k1 / k3 of the log-ratio
+    """Property 39: logged KL to old = mean over valid tokens of k1 / k3 of the log-ratio
     (never averaging padding)."""
     x = make_inputs(B=4, T=6, lengths=[6, 2, 4, 1], seed=53, noise=0.4)
     torch.manual_seed(0)
     _, _, m = run_x(name, x, cfg(name, **ov))
     vt = valid_tokens(x.mask)
     d = [float(x.logp[i, t] - x.old[i, t]) for i, t in vt]
-    # KL(pi_old || pi_theta) from rollout tokens: x = old - logp = -delta (verl ppo_kl = mean(-delta))
+    # KL(pi_old || pi_theta) from rollout tokens: x = old - logp = -delta (verl's ppo_kl: mean of the clamped -delta)
     assert math.isclose(m["kl_old/k1"], -sum(d) / len(d), rel_tol=1e-9)
     assert math.isclose(m["kl_old/k3"], sum(math.exp(v) - v - 1 for v in d) / len(d), rel_tol=1e-9)
 
@@ -1573,11 +1665,12 @@ def test_bool_mask_equals_float_mask(name, ov):
 
 
 # =============================================================================
-# 12. Gradient accumulation exactness (ANCHORS bug 5)
+# 12. Gradient accumulation exactness (property 41)
 # =============================================================================
 
 @pytest.mark.parametrize("mode", MODES)
 def test_aggregate_loss_micro_batches_with_global_counts_sum_to_full_batch(mode):
+    """Property 41: micro-batch losses with the whole batch's counts add up to the whole batch's loss."""
     x = make_inputs(B=8, T=6, lengths=[6, 1, 3, 5, 2, 6, 4, 4], seed=57)
     l = torch.randn(8, 6, generator=torch.Generator().manual_seed(58), dtype=F64)
     full = tepo.aggregate_loss(l, x.mask, mode)
@@ -1606,7 +1699,7 @@ GA_CASES = [
 @settings(max_examples=10, deadline=None)
 @given(split=st.lists(st.integers(1, 7), min_size=1, max_size=3, unique=True), seed=st.integers(0, 10_000))
 def test_micro_batches_with_global_counts_reproduce_full_batch_loss_and_gradient(name, ov, split, seed):
-    """Summing micro-batch losses computed with the global num_tokens / num_seqs equals the
+    """Property 41: summing micro-batch losses computed with the global num_tokens / num_seqs equals the
     full-batch loss, and the concatenated gradients equal the full-batch gradient."""
     x = make_inputs(B=8, T=6, seed=seed, noise=0.2)
     c = cfg(name, **ov)
@@ -1707,7 +1800,7 @@ def test_config_for_unknown_objective_or_field_raises():
 
 
 # =============================================================================
-# 14. Configuration
+# 14. Configuration (property 45)
 # =============================================================================
 
 def test_paper_defaults_cover_every_objective_and_config_for_copies():
@@ -1721,7 +1814,8 @@ def test_paper_defaults_cover_every_objective_and_config_for_copies():
 
 def test_paper_defaults_match_the_papers():
     d = tepo.PAPER_DEFAULTS
-    assert (d["dapo"].eps_low, d["dapo"].eps_high, d["dapo"].aggregation, d["dapo"].beta) == (0.2, 0.28, "token-mean", 0.0)
+    dapo = d["dapo"]
+    assert (dapo.eps_low, dapo.eps_high, dapo.aggregation, dapo.beta) == (0.2, 0.28, "token-mean", 0.0)
     assert d["dapo"].dynamic_sampling and d["dapo"].overlong_penalty
     assert (d["gspo"].eps_low, d["gspo"].eps_high, d["gspo"].beta) == (3e-4, 4e-4, 0.0)
     assert (d["gspo_token"].eps_low, d["gspo_token"].eps_high) == (3e-4, 4e-4)
@@ -1754,6 +1848,98 @@ def test_needs_ref_and_needs_entropy():
     assert tepo.needs_entropy("tepo", cfg("tepo", entropy_criterion="measured"))
     assert not tepo.needs_entropy("tepo", cfg("tepo", entropy_criterion="cov"))
     assert not tepo.needs_entropy("grpo", cfg("grpo"))
+
+
+# Which fields each objective reads (tepo.FIELDS_READ), proved both ways on random off-policy inputs.
+# Each field has valid values other than its default; a context switches on the settings some fields
+# need before they can act (beta > 0 for kl_estimator, seq-mean-token-sum-norm for norm_constant, a
+# dual clip, Clip-Cov bounds wide enough to select tokens, TEPO's hard mask for kl_tau).
+FIELD_VALUES = {
+    "eps_low": (0.05, 0.5), "eps_high": (0.05, 0.5), "dual_clip_c": (1.5, None), "log_ratio_clamp": (1e-4, 0.5),
+    "beta": (0.0, 0.5), "kl_estimator": ("k1", "k2", "abs"), "aggregation": ("seq-mean-token-sum", "token-mean"),
+    "norm_constant": (3.0, None), "advantage_scale": ("none", "batch"), "adv_eps": (0.1, 1e-3),
+    "dynamic_sampling": (True, False), "overlong_penalty": (True, False), "ratio_mode": ("gmpo", "gspo_token"),
+    "entropy_criterion": ("measured", "cov"), "kl_target": ("ref", "old"), "kl_mode": ("hard", "soft"),
+    "kl_tau": (0.05, 0.0), "block_size": (2, 3), "block_ratio": ("geomean", "joint"),
+    "block_agg": ("block-mean", "token-weighted"), "clip_cov_ratio": (0.5, 0.05), "clip_cov_lb": (0.0, -100.0),
+    "clip_cov_ub": (0.0, 100.0), "kl_cov_ratio": (0.5, 0.05),
+}
+ACTIVE = dict(beta=0.5, kl_estimator="k3", aggregation="seq-mean-token-sum-norm", norm_constant=5.0, dual_clip_c=2.0,
+              clip_cov_ratio=0.2, clip_cov_lb=-100.0, clip_cov_ub=100.0, kl_cov_ratio=0.2)
+FIELD_CONTEXTS = [{}, ACTIVE, dict(ACTIVE, kl_mode="hard", kl_tau=0.05)]
+
+
+def loss_and_grad_per_value(name, field, x):
+    """(context, value, loss, grad) for every context and every valid value of `field` (base value included)."""
+    out = []
+    for context in FIELD_CONTEXTS:
+        base = cfg(name, **context)
+        for value in (getattr(base, field),) + FIELD_VALUES[field]:
+            try:
+                c = cfg(name, **dict(context, **{field: value}))
+            except ValueError:       # e.g. clip_cov_ub below clip_cov_lb: not a valid value here
+                continue
+            torch.manual_seed(0)     # Clip-Cov draws its tokens from the global RNG
+            loss, grad, _ = run_x(name, x, c)
+            out.append((id(context), value, loss, grad))
+    return out
+
+
+def test_fields_read_names_real_fields_and_every_objective():
+    fields = {f.name for f in dataclasses.fields(tepo.ObjectiveConfig)}
+    assert set(tepo.FIELDS_READ) == set(tepo.OBJECTIVES)
+    assert set(FIELD_VALUES) == fields
+    for name, read in tepo.FIELDS_READ.items():
+        assert set(read) <= fields and len(set(read)) == len(read), name
+        assert set(tepo.TRAINER_FIELDS) <= set(read), name
+
+
+@pytest.mark.parametrize("name", sorted(tepo.OBJECTIVES))
+def test_fields_an_objective_does_not_read_leave_loss_and_gradient_bit_identical(name):
+    """Property 45: every field missing from FIELDS_READ[name], and every trainer-side field, changes
+    nothing in the loss: value and gradient stay bit-identical."""
+    x = make_inputs(B=8, T=7, seed=11, noise=0.5)
+    unread = [f.name for f in dataclasses.fields(tepo.ObjectiveConfig)
+              if f.name not in tepo.FIELDS_READ[name] or f.name in tepo.TRAINER_FIELDS]
+    for field in unread:
+        results = loss_and_grad_per_value(name, field, x)
+        compared = 0
+        for context_id, value, loss, grad in results:
+            first = next(r for r in results if r[0] == context_id)
+            if value != first[1]:
+                compared += 1
+                assert torch.equal(loss, first[2]) and torch.equal(grad, first[3]), (name, field, value)
+        assert compared > 0, (name, field)
+
+
+@pytest.mark.parametrize("name", sorted(tepo.OBJECTIVES))
+def test_every_field_an_objective_reads_changes_its_loss_or_gradient(name):
+    """Property 45: every loss-side field in FIELDS_READ[name] changes loss or gradient for some valid
+    value in some context."""
+    x = make_inputs(B=8, T=7, seed=11, noise=0.5)
+    for field in set(tepo.FIELDS_READ[name]) - set(tepo.TRAINER_FIELDS):
+        results = loss_and_grad_per_value(name, field, x)
+        firsts = {r[0]: r for r in reversed(results)}
+        assert any(not (torch.equal(loss, firsts[cid][2]) and torch.equal(grad, firsts[cid][3]))
+                   for cid, _, loss, grad in results), (name, field)
+
+
+def test_all_lists_every_public_name_once():
+    public = {n for n, v in vars(tepo).items() if not n.startswith("_") and getattr(v, "__module__", "tepo") == "tepo"
+              and not isinstance(v, type(os))} - {"annotations"}
+    assert sorted(tepo.__all__) == sorted(public) and len(set(tepo.__all__)) == len(tepo.__all__)
+
+
+def test_every_config_field_has_its_own_comment_without_python_names():
+    """train_small.py shows these comments as --help: each field needs one, in words (no tepo constant names)."""
+    import inspect
+    lines = inspect.getsource(tepo.ObjectiveConfig).splitlines()
+    constants = [n for n in dir(tepo) if n.isupper() and not n.startswith("_")]
+    for f in dataclasses.fields(tepo.ObjectiveConfig):
+        line = next(line for line in lines if re.match(rf"\s+{f.name}\s*:", line))
+        comment = line.split("#", 1)[1].strip() if "#" in line else ""
+        assert comment, f.name
+        assert not [n for n in constants if re.search(rf"\b{n}\b", comment)], (f.name, comment)
 
 
 # =============================================================================
