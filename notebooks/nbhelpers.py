@@ -32,8 +32,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from train_small import pearson, read_log  # noqa: E402,F401
 
-# The logs: notebooks/logs/ (committed), or the directory named by the TEPO_NOTEBOOK_LOGS environment variable.
-LOGS = Path(os.environ["TEPO_NOTEBOOK_LOGS"]).expanduser().resolve() if os.environ.get("TEPO_NOTEBOOK_LOGS") \
+# The logs: notebooks/logs/ (committed), or the directory named by the TEPO_NOTEBOOK_LOGS environment variable
+# (a relative path is taken from the repository root, where train_small.py writes runs/).
+LOGS = (REPO / Path(os.environ["TEPO_NOTEBOOK_LOGS"]).expanduser()).resolve() if os.environ.get("TEPO_NOTEBOOK_LOGS") \
     else NB_DIR / "logs"
 FIGURES = NB_DIR / "figures"
 COMMANDS_FILE = NB_DIR / "logs" / "COMMANDS.md"
