@@ -1946,6 +1946,7 @@ def test_every_config_field_has_its_own_comment_without_python_names():
 # 15. train_small.py
 # =============================================================================
 # Fast (CPU, no network), micro configurations only. The micro warm-up is cached once per module.
+import copy  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
@@ -1965,7 +1966,7 @@ MICRO = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--difficulty", "2
          "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "12", "--overlong-cache", "4",
          "--pass-k", "2", "--pass-k-problems", "2", "--entropy-check-rows", "4", "--reward", "lenient",
          "--lr", "1e-3", "--eval-every", "2", "--save-every", "1"]
-TIMING = ("timing/", "perf/", "step_time")
+TIMING = ("timing/", "perf/", "memory/", "step_time")
 
 
 @pytest.fixture(scope="module")
@@ -2231,6 +2232,248 @@ def test_resume_reproduces_the_uninterrupted_run(workdir):
     # details.jsonl (TEPO): truncated on resume like metrics.jsonl, then the same rows, floats exactly
     assert [r["step"] for r in read_details("runs/cut")] == [1, 2, 3, 4]
     assert read_details("runs/cut") == read_details("runs/full")
+
+
+# ---- one GPU by construction: micro-batches, memory, precision, stopping, dropout ----------------
+
+def test_chunked_token_logprobs_equal_tepo_values_and_gradients(monkeypatch):
+    """The memory-bounded log-probs (chunks of positions, softmax recomputed in the backward) give
+    tepo.token_logprobs_from_logits' values and gradient, float64, several chunks, T != 1."""
+    monkeypatch.setattr(ts, "LOGITS_CHUNK_BYTES", 4 * 11 * 5)        # 5 positions of V = 11 per chunk
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(3, 7, 11, dtype=F64)).requires_grad_(True)
+    tokens = torch.randint(11, (3, 7))
+    weights = torch.randn(3, 7, dtype=F64)
+    ours = ts.token_logprobs(logits, tokens, 0.7)
+    (grad_ours,) = torch.autograd.grad((ours * weights).sum(), logits)
+    ref = tepo.token_logprobs_from_logits(logits, tokens, 0.7)
+    (grad_ref,) = torch.autograd.grad((ref * weights).sum(), logits)
+    assert_close(ours, ref, atol=1e-12, rtol=1e-12)
+    assert_close(grad_ours, grad_ref, atol=1e-12, rtol=1e-12)
+    # and by hand: log softmax(z / T) at the token
+    z = logits.detach()[1, 2] / 0.7
+    assert_close(ours[1, 2], z[tokens[1, 2]] - torch.logsumexp(z, 0), atol=1e-12)
+
+
+def hand_batch(vocab: int, rows: int, prompt: int, completion: int, seed: int = 0) -> dict:
+    """A rollout batch made by hand: left-padded prompts and completions of different lengths."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_mask = torch.ones(rows, prompt, dtype=torch.long)
+    completion_mask = torch.ones(rows, completion, dtype=torch.long)
+    for i in range(rows):
+        prompt_mask[i, :i % 3] = 0                                   # left padding
+        completion_mask[i, completion - i % 4:] = 0                  # right padding after the end
+    return dict(prompt_ids=torch.randint(1, vocab, (rows, prompt), generator=g), prompt_mask=prompt_mask,
+                completion_ids=torch.randint(1, vocab, (rows, completion), generator=g),
+                completion_mask=completion_mask)
+
+
+@pytest.mark.parametrize("objective, overrides", [
+    ("grpo", dict(beta=0.04)), ("dapo", {}), ("dr_grpo", {}), ("gspo", dict(eps_low=0.05, eps_high=0.05)),
+    ("gspo_token", {}), ("ppo", dict(dual_clip_c=3.0)), ("mpo", {}),
+    ("tepo", dict(entropy_criterion="measured", eps_low=0.05, eps_high=0.05))])
+def test_micro_batches_accumulate_to_the_same_optimizer_steps(objective, overrides):
+    """Two optimizer steps (mini-batches of 8 rows) with micro-batches of 2 rows equal the steps
+    without micro-batches: parameters to 1e-6 (float64, plain SGD), losses and rollout statistics too.
+    (Clip-Cov, KL-Cov and TEPO's cov criterion select by batch statistics per micro-batch.)"""
+    from transformers import AutoModelForCausalLM, GPT2Config
+    config = GPT2Config(vocab_size=23, n_embd=16, n_layer=1, n_head=2, n_positions=32, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config).double().eval()
+    batch = hand_batch(23, rows=16, prompt=5, completion=6)
+    adv = torch.randn(16, dtype=F64)
+    keep = torch.ones(16, dtype=torch.bool)
+    results = []
+    for micro in (0, 2):
+        model = copy.deepcopy(base)
+        ref = copy.deepcopy(base).requires_grad_(False) if tepo.needs_ref(objective, cfg(objective, **overrides)) \
+            else None
+        args = ts.Args(group_size=4, prompts_per_step=4, mini_batches=2, micro_batch_size=micro, max_new_tokens=6,
+                       entropy_check_rows=4, temperature=0.9)
+        run = micro_run(model, None, args, objective, ref_model=ref, **overrides)
+        run.optimizer = torch.optim.SGD(model.parameters(), lr=0.5)   # unlike Adam, sensitive to the gradient's scale
+        torch.manual_seed(1)
+        plan = ts.minibatch_plan(keep, args)
+        assert [len(mb) for mb in plan] == ([1, 1] if micro == 0 else [4, 4])
+        stats = ts.rollout_statistics(run, batch, adv, plan)
+        metrics = ts.update_policy(run, batch, stats, adv, plan)
+        results.append((torch.cat([p.detach().flatten() for p in model.parameters()]), metrics, stats))
+    (p0, m0, s0), (p2, m2, s2) = results
+    assert_close(p2, p0, atol=1e-6, rtol=0)
+    assert (p2 - torch.cat([p.flatten() for p in base.parameters()])).abs().max() > 1e-4   # it did move
+    assert_close(s2["old_logp"], s0["old_logp"], atol=1e-12)
+    for key in ("loss", "pg_loss", "kl_loss", "ratio/min", "ratio/max", "grad_norm"):
+        assert m2[key] == pytest.approx(m0[key], abs=1e-9), key
+
+
+def test_stopping_on_every_end_token_of_the_model(tmp_path):
+    """A model whose generation config names two end tokens (as Qwen2.5-Instruct: <|im_end|> and
+    <|endoftext|>) stops on both, although its tokenizer names one: a completion ending in the
+    second is masked after it and not counted as truncated."""
+    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
+    tok = ts.build_char_tokenizer(["ab"])
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, eos_token_id=tok.eos_token_id)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config = GenerationConfig(eos_token_id=[im_end, tok.eos_token_id])
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    loaded, tokenizer = ts.load_policy(str(tmp_path), ts.Args(), torch.device("cpu"))
+    assert tokenizer.eos_token_id != im_end
+    assert sorted(ts.eos_ids_of(loaded)) == sorted([im_end, tokenizer.eos_token_id])
+    a = tokenizer.convert_tokens_to_ids("a")
+    ids = torch.tensor([[a, a, im_end, a, a], [a, a, a, a, a]])
+    assert ts.completion_mask(ids, ts.eos_ids_of(loaded)).tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+
+
+def test_dropout_settings_are_off_also_in_train_mode_with_checkpointing(tmp_path):
+    """A config whose attention reads the float `attention_dropout` (Qwen2), set to 0.5: after
+    load_policy the update's first micro-batch is exactly on-policy in train() mode with gradient
+    checkpointing; without switching the float settings off it is not."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+    tok = ts.build_char_tokenizer(["abc 0123456789"])
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, attention_dropout=0.5,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    args = ts.Args(gradient_checkpointing=True, group_size=4, prompts_per_step=2, mini_batches=2, max_new_tokens=6)
+    batch = hand_batch(len(tok), rows=8, prompt=4, completion=6)
+    # control: as loaded by transformers, train() mode applies the dropout: two forwards differ
+    raw = AutoModelForCausalLM.from_pretrained(tmp_path).train()
+    first, second = (ts.completion_logits(raw, batch, torch.arange(8), args) for _ in range(2))
+    assert (first - second).abs().max() > 1e-3
+    model, tokenizer = ts.load_policy(str(tmp_path), args, torch.device("cpu"))
+    assert model.config.attention_dropout == 0.0 and model.is_gradient_checkpointing
+    assert all(v == 0.0 for m in model.modules() for k, v in vars(m).items() if "dropout" in k
+               and isinstance(v, float))
+    run = micro_run(model, tokenizer, args, "grpo", beta=0.0)
+    adv, keep = torch.randn(8), torch.ones(8, dtype=torch.bool)
+    plan = ts.minibatch_plan(keep, args)
+    stats = ts.rollout_statistics(run, batch, adv, plan)
+    metrics = ts.update_policy(run, batch, stats, adv, plan)
+    assert metrics["logprobs/first_minibatch_max_abs_log_ratio"] == 0.0
+
+
+@pytest.mark.parametrize("objective", ["tepo", "grpo", "gspo", "mpo"])
+def test_the_whole_loop_runs_in_bf16_on_the_cpu(objective, workdir):
+    """--precision bf16 (CPU autocast): the loop runs, the first mini-batch is still exactly
+    on-policy (same rows, same forward), and the logged noise floor of bf16 is above 0."""
+    run_main([*MICRO, "--objective", objective, "--steps", "2", "--precision", "bf16", "--out", f"runs/bf16_{objective}"])
+    rows = read_rows(f"runs/bf16_{objective}")[1:]
+    updated = [r for r in rows if not r["dynamic_sampling/skipped"]]    # DAPO's filter may skip a step
+    assert updated and all(math.isfinite(r["loss"]) for r in updated)
+    assert all(r["logprobs/first_minibatch_max_abs_log_ratio"] == 0.0 for r in updated)
+    assert all(r["precision/logp_error_max"] > 1e-4 for r in rows)
+    assert all(r["precision/logp_error_mean"] <= r["precision/logp_error_max"] for r in rows)
+    fp32 = read_rows("runs/full")[1] if os.path.exists("runs/full") else None
+    if fp32 is not None:
+        assert fp32["precision/logp_error_max"] == 0.0
+
+
+def test_dry_run_prints_the_plan_and_creates_nothing(workdir, capsys):
+    run_main([*MICRO, "--dry-run", "--out", "runs/dry"])
+    out = capsys.readouterr().out
+    assert "memory plan" in out and "estimated peak" in out and "logits, one micro-batch" in out
+    assert not os.path.exists("runs/dry")
+
+
+def test_a_run_that_would_not_fit_is_refused_in_one_line(workdir, monkeypatch, capsys):
+    monkeypatch.setattr(ts, "device_memory", lambda device: 2**20)          # a 1 MiB device
+    with pytest.raises(SystemExit) as e:
+        ts.main([*MICRO, "--out", "runs/too_big"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "exceeds" in err[0] and "--force" in err[0]
+    assert not os.path.exists("runs/too_big")
+    args, overrides = ts.parse_args([*MICRO, "--force"])
+    ts.check_memory(args, ts.load_task(args), torch.device("cpu"), False)    # --force: no refusal
+
+
+def test_peak_memory_restarts_with_each_run():
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs Linux /proc")
+    big = torch.ones(64 * 2**20 // 4)                                         # 64 MiB, touched
+    del big
+    before = ts.peak_memory_mb(torch.device("cpu"))
+    ts.reset_peak_memory(torch.device("cpu"))
+    assert ts.peak_memory_mb(torch.device("cpu")) < before - 32
+
+
+# The CPU proof of the memory claims, on the real vocabulary size of Qwen2.5 (151,936) in a 2-layer
+# Qwen2 of width 64 with a local 151,936-token tokenizer. glibc's heap keeps freed blocks below its
+# (adaptive) mmap threshold, so resident memory would count freed tensors: the runs fix the
+# threshold at 1 MiB, which makes resident memory follow the live tensors.
+QWEN_VOCAB = 151_936
+
+
+def make_model_dir(path, vocab_size: int, width: int = 64, layers: int = 2) -> str:
+    """A Qwen2-architecture micro model with a WordLevel tokenizer of vocab_size entries, saved."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+    chars = sorted(set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+-*/=#.,:?! \n"))
+    vocab = {"<|endoftext|>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    vocab.update({f"<t{i}>": i for i in range(len(vocab), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                        unk_token="<unk>", padding_side="left")
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=width, intermediate_size=4 * width,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                         tie_word_embeddings=True, max_position_embeddings=256, bos_token_id=0, eos_token_id=0,
+                         pad_token_id=0)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def qwen_vocab_model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("qwen_vocab")
+    with open(d / "data.jsonl", "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"question": f"Ann has {i} pens and gets {i + 1} more. How many pens now?",
+                                "answer": f"#### {2 * i + 1}"}) + "\n")
+    return make_model_dir(d / "model", QWEN_VOCAB), str(d / "data.jsonl")
+
+
+def measured_run(model_dir: str, data: str, out: str, prompts: int, micro: int, *extra) -> tuple[float, float]:
+    """A 2-step GRPO run in a subprocess: (measured peak minus the memory before the model, in MiB;
+    the printed estimate, in MiB)."""
+    argv = [sys.executable, SCRIPT, "--model", model_dir, "--dataset", data, "--objective", "grpo", "--beta", "0",
+            "--steps", "2", "--prompts-per-step", str(prompts), "--group-size", "4", "--mini-batches", "1",
+            "--micro-batch-size", str(micro), "--max-new-tokens", "24", "--overlong-cache", "4",
+            "--max-prompt-tokens", "16", "--n-test", "4", "--pass-k", "2", "--pass-k-problems", "2",
+            "--eval-every", "100", "--entropy-check-rows", "4", "--no-check-sampling-logprobs", "--threads", "1",
+            "--out", out, *extra]
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_TRIM_THRESHOLD_": "1048576"}
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = read_rows(out)
+    peak = max(row["perf/peak_memory_mb"] for row in rows[1:]) - rows[0]["memory/process_before_model_mb"]
+    estimate = float(re.search(r"estimated peak \(\w+\)\s+([\d.]+) GiB", r.stdout).group(1)) * 1024
+    return peak, estimate
+
+
+def test_memory_plan_is_within_25_percent_of_the_measured_peak(qwen_vocab_model, tmp_path):
+    model_dir, data = qwen_vocab_model
+    for prompts, micro in ((4, 4), (2, 8)):
+        peak, estimate = measured_run(model_dir, data, str(tmp_path / f"p{prompts}m{micro}"), prompts, micro)
+        assert abs(estimate - peak) <= 0.25 * peak, (prompts, micro, peak, estimate)
+
+
+def test_doubling_the_rollout_at_a_fixed_micro_batch_raises_the_peak_less_than_20_percent(qwen_vocab_model,
+                                                                                        tmp_path):
+    model_dir, data = qwen_vocab_model
+    small, _ = measured_run(model_dir, data, str(tmp_path / "small"), 4, 4)
+    large, _ = measured_run(model_dir, data, str(tmp_path / "large"), 8, 4)
+    assert large < 1.2 * small, (small, large)
 
 
 # ---- details.jsonl: TEPO's KL mask per mini-batch -----------------------------------------------

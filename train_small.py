@@ -1012,20 +1012,21 @@ def rollout_statistics(run, batch: dict, adv: torch.Tensor, plan: list) -> dict:
         seen[rows] = True
     unseen = torch.arange(B)[~seen]
     forwards = first_epoch + (list(unseen.split(rows_per_forward(args))) if len(unseen) else [])
-    old_logp = torch.zeros(mask.shape, device=mask.device)                         # [B, T]
+    dtype = torch.promote_types(next(run.model.parameters()).dtype, torch.float32)  # float64 in the tests
+    old_logp = torch.zeros(mask.shape, dtype=dtype, device=mask.device)             # [B, T]
     entropy = torch.zeros_like(old_logp)                                            # [B, T]
     ref_logp = torch.zeros_like(old_logp) if run.ref_model is not None else None    # [B, T]
     check = EntropyCheckPositions(batch, args)
     for rows in forwards:
         logits = completion_logits(run.model, batch, rows, args)                   # [b, T, V]
         tokens = batch["completion_ids"][rows.to(mask.device)]
-        old_logp[rows] = token_logprobs(logits, tokens, args.temperature).float()
-        entropy[rows] = token_entropy(logits, args.temperature).float()
+        old_logp[rows] = token_logprobs(logits, tokens, args.temperature).to(dtype)
+        entropy[rows] = token_entropy(logits, args.temperature).to(dtype)
         check.capture(rows, logits)
         del logits                 # before the next forward allocates its own
         if run.ref_model is not None:
             ref_logp[rows] = token_logprobs(completion_logits(run.ref_model, batch, rows, args), tokens,
-                                            args.temperature).float()
+                                            args.temperature).to(dtype)
     return dict(old_logp=old_logp, entropy=entropy, ref_logp=ref_logp, check=check,
                 entropy_mean=tepo.masked_mean(entropy, mask).item(),
                 cov=tepo.masked_mean(tepo.token_covariance(old_logp, adv.to(mask.device), mask), mask).item(),
