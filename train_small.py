@@ -13,19 +13,26 @@ with verifiable rewards is known for: sharpening behaviours the starting model a
 The same code path takes a real model and data set: `--model Qwen/Qwen2.5-0.5B-Instruct
 --dataset openai/gsm8k` (the Hugging Face hub must be reachable, or pass local paths).
 
-The loop, one function per step:
-  1. sample prompts              a fixed, seeded order over the training split        (prompts_for_step)
-  2. generate G completions      model.generate with a KV cache, at temperature T     (generate_group)
-  3. score them                  strict `#### n` / lenient last-number parsing        (score_completions)
-  4. advantages                  tepo.group_advantages; DAPO's filter and length cost (compute_advantages)
-  5. old log-probs               recomputed with the update's own forward, no grad    (rollout_statistics)
-  6. update                      several mini-batches per rollout, tepo.OBJECTIVES    (update_policy)
-  7. measure                     entropy change predicted vs measured, eval, logging  (entropy_check, evaluate)
+The loop (rl_step), one function per step:
+  1. sample prompts          a fixed, seeded order over the training split             (prompts_for_step)
+  2. generate G completions  model.generate with a KV cache, at temperature T          (generate_group)
+  3. score them              strict `#### n` / lenient last-number parsing             (compute_rewards)
+  4. advantages              tepo.group_advantages; DAPO's filter and length cost      (compute_advantages)
+  5. old log-probs           before any update, with the update's own micro-batches    (rollout_statistics)
+  6. update                  one optimizer step per mini-batch, tepo.OBJECTIVES        (update_policy)
+  7. measure                 entropy change predicted vs measured                      (entropy_check)
+then, around it (train): held-out evaluation every --eval-every steps, one metrics row per step
+(flushed), a checkpoint every --save-every steps. The metrics are defined in the README ("Logged
+metrics"); details.jsonl (TEPO's KL mask) in KLMaskDetails.
+
+Memory (one GPU): every forward and backward sees at most --micro-batch-size rows, and the gradient
+of a mini-batch is accumulated over its micro-batches exactly; log-probs and entropy go through the
+logits in 16 MiB chunks. A memory plan by part is printed before anything large is loaded
+(`--dry-run` prints it and exits). --precision fp32 (default) or bf16 (autocast; its log-prob noise
+is logged as precision/logp_error_*, and is larger than GSPO's and TEPO's clip band).
 
 Simplifications, said plainly:
-  - One process, one device, no vLLM, no gradient accumulation across micro-batches: each
-    mini-batch is one optimizer step (num_tokens / num_seqs are that mini-batch's counts).
-    Mini-batches hold whole groups (see update_policy for why).
+  - One process, one device, no vLLM. Mini-batches hold whole groups (see minibatch_plan for why).
   - DAPO's dynamic sampling drops zero-std groups but does NOT sample more prompts to refill the
     batch: the step trains on fewer groups, and a step whose groups are all dropped makes no update
     (logged as `dynamic_sampling/skipped` = 1).
@@ -35,74 +42,6 @@ Simplifications, said plainly:
   - With `--sft-noise 0` the warm-up model reads every problem right, and RL has little to add on
     this task (measured, 3 seeds: +2.6 points greedy for TEPO, +2.9 for GRPO over 200 steps):
     more supervised steps would then raise accuracy more cheaply than RL does.
-
-Logged metrics (metrics.jsonl, one JSON row per RL step; names follow TRL / verl where they exist):
-  step                          RL step (one rollout = one step; several optimizer steps per step)
-  reward, reward_std            mean and std of the rewards of the rollout (task reward + length cost)
-  accuracy/strict               fraction of completions ending in exactly `#### <right number>`
-  accuracy/lenient              fraction whose last number is the right one
-  frac_reward_zero_std          fraction of groups whose G rewards are all equal (no learning signal)
-  dynamic_sampling/kept_frac    fraction of rows kept by DAPO's filter (1 when the filter is off)
-  dynamic_sampling/skipped      1 when every group was dropped and no update was made
-  completions/mean_length       mean completion length in tokens, end token included
-  completions/clipped_ratio     fraction of completions cut at max_new_tokens without an end token
-  entropy                       full-vocabulary entropy of the rollout policy, token-weighted mean
-                                over completion tokens (not the mean -log p of sampled tokens)
-  cov/logp_adv                  Cov(log pi, A) over completion tokens (tepo.token_covariance mean):
-                                positive values drive entropy down
-  entropy_change/predicted      first-order prediction -Cov_p(log p, z_after - z_before) of the
-                                entropy change caused by this step's updates (mean over positions)
-  entropy_change/measured       H(after) - H(before) at the same positions
-  entropy_change/position_corr  correlation of predicted and measured changes across this step's positions
-  loss, pg_loss, kl_loss        the objective's loss and parts, mean over the step's mini-batches
-  clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean
-                                fraction of tokens clipped below / above / either (mean over mini-batches)
-  ratio/mean, ratio/min, ratio/max    importance ratio the objective clips (min and max over mini-batches)
-  kl_old/k1, kl_old/k3          KL(pi_old || pi_theta) estimated on the rollout tokens (verl ppo_kl)
-  kl_ref                        k3 KL to the reference model (only when one is loaded)
-  kl_mask/frac, kl_mask/penalty TEPO: fraction of tokens under the KL mask, mean masked penalty
-  on_policy                     fraction of mini-batches whose ratios were all exactly 1
-  logprobs/first_minibatch_max_abs_log_ratio   max |log pi - log pi_old| on the first mini-batch,
-                                before any optimizer step: must be ~0 (exactly 0 on CPU)
-  logprobs/sampling_vs_recomputed_max_abs      max |log-prob seen by generate - recomputed old
-                                log-prob| (only when --check-sampling-logprobs): ~1e-6 when
-                                positions, padding and temperature are right
-  grad_norm                     gradient norm before clipping, mean over mini-batches
-  timing/generate, timing/reward, timing/update, step_time     seconds per phase and per step
-  perf/tokens_per_second        completion tokens generated / step_time
-  perf/peak_memory_mb           peak GPU memory (CUDA) or peak resident memory of the process (CPU)
-  eval/accuracy                 held-out accuracy, greedy decoding, strict parsing (every --eval-every)
-  eval/accuracy_lenient         same, lenient parsing
-  eval/pass@k                   fraction of held-out problems with at least one of k samples right
-  eval/mean@k                   accuracy of single samples at the sampling temperature (mean over
-                                the k samples): the quantity RL optimises directly
-
-details.jsonl (TEPO only: --objective tepo, even with --beta 0, where the mask is computed but has
-no effect; one JSON row per RL step, truncated on --resume like metrics.jsonl). Where TEPO's KL
-mask (tepo.tepo_kl_mask) falls, under the configured entropy criterion and under both criteria
-side by side; logging only (detached tensors: metrics.jsonl is bit-identical without it):
-  step                          RL step, as in metrics.jsonl
-  kl_mask_frac_by_minibatch     one value per optimizer step, in order (epochs x mini_batches, fewer
-                                when DAPO's filter left fewer groups; empty on a skipped step):
-                                masked / valid completion tokens under the configured criterion;
-                                its mean is metrics.jsonl's kl_mask/frac
-  kl_mask_frac_cov_by_minibatch, kl_mask_frac_measured_by_minibatch
-                                the same with entropy_criterion cov / measured. measured is 0 on a
-                                step's first mini-batch (CPU; ~0 under CUDA's bf16): nothing has
-                                moved since the rollout
-  kl_mask_position_counts       [T] masked tokens (configured criterion) at each completion position,
-                                summed over the step's mini-batches (T = padded completion width)
-  valid_position_counts         [T] valid tokens at each position, summed the same way (a token is
-                                counted once per epoch): divide to get the masked fraction by position
-  sample                        one completion of the last mini-batch: its first row in rollout order
-                                with A > 0 (its first row if none); null on a skipped step. Fields:
-                                prompt (text), tokens (each valid token decoded, end token included),
-                                reward, advantage, and per valid token, at the last mini-batch:
-                                kl_mask, kl_mask_cov, kl_mask_measured (0/1), entropy (rollout),
-                                entropy_after (at that mini-batch's forward), cov (token_covariance
-                                of the ROLLOUT log-probs over the mini-batch; the cov criterion uses
-                                the current ones, so off-policy a sign can differ), log_ratio
-                                (log pi - log pi_old); floats rounded to 4, 5 and 6 decimals
 
 Usage:
   python train_small.py                                   # built-in task and model, TEPO, seed 1
@@ -670,7 +609,7 @@ def model_config_for_plan(args: Args, task):
     """The config of the model the run will train (built-in: made here, nothing is trained yet)."""
     from transformers import AutoConfig
     if args.model is None:
-        return tiny_model_config(args, builtin_tokenizer(task))
+        return tiny_model_config(args, builtin_tokenizer(task if task is not None else load_task(args)))
     try:
         return AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     except Exception as e:  # noqa: BLE001 -- any loading failure is a user-facing one-liner
@@ -723,7 +662,8 @@ def memory_plan(args: Args, config, needs_ref: bool) -> dict:
     update = max(plan["activations, one micro-batch"] + plan["logits, one micro-batch"] + check,
                  2 * check + logits + 6 * chunk)
     generation = plan["generation KV cache"] + plan["generation logits"]
-    model = sum(plan[k] for k in ("weights (fp32)", "gradients (fp32)", "Adam moments (fp32)", "reference model (fp32)"))
+    model = sum(plan[k] for k in ("weights (fp32)", "gradients (fp32)", "Adam moments (fp32)",
+                                  "reference model (fp32)"))
     return {"parts": plan, "n_params": n_params, "peak": model + max(update, generation),
             "phase": "update" if update >= generation else "generation",
             "supports_gradient_checkpointing": meta_model.supports_gradient_checkpointing}
@@ -1052,12 +992,38 @@ def precision_noise_floor(run, batch: dict, rows: torch.Tensor, logp: torch.Tens
 
 
 class KLMaskDetails:
-    """One row of details.jsonl: where TEPO's KL mask falls during one RL step (module docstring).
+    """One row of details.jsonl: where TEPO's KL mask falls during one RL step.
+
+    details.jsonl (TEPO only: --objective tepo, even with --beta 0, where the mask is computed but has
+    no effect; one JSON row per RL step, truncated on --resume like metrics.jsonl). Where TEPO's KL
+    mask (tepo.tepo_kl_mask) falls, under the configured entropy criterion and under both criteria
+    side by side; logging only (detached tensors: metrics.jsonl is bit-identical without it):
+      step                          RL step, as in metrics.jsonl
+      kl_mask_frac_by_minibatch     one value per optimizer step, in order (epochs x mini_batches, fewer
+                                    when DAPO's filter left fewer groups; empty on a skipped step):
+                                    masked / valid completion tokens under the configured criterion;
+                                    its mean is metrics.jsonl's kl_mask/frac
+      kl_mask_frac_cov_by_minibatch, kl_mask_frac_measured_by_minibatch
+                                    the same with entropy_criterion cov / measured. measured is 0 on a
+                                    step's first mini-batch (CPU; ~0 under CUDA's bf16): nothing has
+                                    moved since the rollout
+      kl_mask_position_counts       [T] masked tokens (configured criterion) at each completion position,
+                                    summed over the step's mini-batches (T = padded completion width)
+      valid_position_counts         [T] valid tokens at each position, summed the same way (a token is
+                                    counted once per epoch): divide to get the masked fraction by position
+      sample                        one completion of the last micro-batch: its first row in rollout order
+                                    with A > 0 (its first row if none); null on a skipped step. Fields:
+                                    prompt (text), tokens (each valid token decoded, end token included),
+                                    reward, advantage, and per valid token, at the last micro-batch:
+                                    kl_mask, kl_mask_cov, kl_mask_measured (0/1), entropy (rollout),
+                                    entropy_after (at that micro-batch's forward), cov (token_covariance
+                                    of the ROLLOUT log-probs over the micro-batch; the cov criterion uses
+                                    the current ones, so off-policy a sign can differ), log_ratio
+                                    (log pi - log pi_old); floats rounded to 4, 5 and 6 decimals
 
     update_policy calls add() once per micro-batch and close() after each optimizer step; row() then
-    builds the JSON row. Logging only:
-    every mask is rebuilt here from detached tensors and nothing flows back into the loss or the
-    optimizer, so a run's metrics.jsonl is the same with or without it.
+    builds the JSON row. Every mask is rebuilt here from detached tensors and nothing flows back into
+    the loss or the optimizer, so a run's metrics.jsonl is the same with or without it.
     """
 
     def __init__(self, cfg: tepo.ObjectiveConfig, T: int, device):
@@ -1418,10 +1384,11 @@ def pick_device(args: Args) -> torch.device:
 
 
 def dry_run(args: Args, obj_overrides: dict) -> None:
-    """--dry-run: print the memory plan; nothing is trained, loaded or written."""
+    """--dry-run: print the memory plan; nothing is trained, loaded or written (with --model, only its
+    config is read, and the data set is not needed)."""
     args, obj_overrides = resumed_args(args, obj_overrides)
     cfg, _ = objective_config(args, obj_overrides)
-    check_memory(args, load_task(args), pick_device(args), tepo.needs_ref(args.objective, cfg))
+    check_memory(args, None, pick_device(args), tepo.needs_ref(args.objective, cfg))
 
 
 def start_run(args: Args, obj_overrides: dict) -> Run:
@@ -1617,7 +1584,8 @@ def bench(args: Args, obj_overrides: dict) -> None:
                               save_every=10**9, pass_k=1, pass_k_problems=1, check_sampling_logprobs=False)
     train(run, obj_overrides)
     rows = read_log(os.path.join(out, "ours", "metrics.jsonl"))[2:]   # skip step 0 and step 1
-    ours = {k: sum(r[k] for r in rows) / len(rows) for k in ("timing/generate", "timing/reward", "timing/update", "step_time", "perf/tokens_per_second")}
+    phases = ("timing/generate", "timing/reward", "timing/update", "step_time", "perf/tokens_per_second")
+    ours = {k: sum(r[k] for r in rows) / len(rows) for k in phases}
     ours["step_time"] -= sum(r["timing/eval"] for r in rows) / len(rows)
     ours["peak_memory_mb"] = max(r["perf/peak_memory_mb"] for r in rows)
     print(f"ours ({args.objective}): " + ", ".join(f"{k} {v:.3f}" for k, v in ours.items()))
@@ -1642,8 +1610,8 @@ def bench_trl(args: Args, out: str, n: int) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
     task = load_task(args)
-    start_model = prepare_start_model(args, task, torch.device("cpu"))
-    golds = {format_prompt(q): gold_answer(a) for q, a in zip(list(task["train"]["question"]), list(task["train"]["answer"]))}
+    start_model = prepare_start_model(args, task, pick_device(args))
+    golds = {format_prompt(q): gold_answer(a) for q, a in zip(task["train"]["question"], task["train"]["answer"])}
 
     def reward_fn(prompts, completions, **kw):
         return [float(parse_strict(c) == golds.get(p)) for p, c in zip(prompts, completions)]
@@ -1659,15 +1627,18 @@ def bench_trl(args: Args, out: str, n: int) -> dict:
                         steps_per_generation=args.mini_batches, num_generations=args.group_size,
                         max_completion_length=args.max_new_tokens, temperature=args.temperature, top_k=0, top_p=1.0,
                         learning_rate=args.lr, beta=0.0, loss_type="dapo", max_steps=(n + 1) * args.mini_batches,
-                        gradient_checkpointing=False, use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+                        gradient_checkpointing=args.gradient_checkpointing, use_cpu=pick_device(args).type == "cpu",
+                        bf16=args.precision == "bf16", report_to="none", save_strategy="no",   # as tepo's run
                         logging_steps=1, seed=args.seed, dataloader_num_workers=0, disable_tqdm=True)
     prompts = datasets.Dataset.from_dict({"prompt": [format_prompt(q) for q in list(task["train"]["question"])]})
     clock = Clock()
-    trainer = GRPOTrainer(model=start_model, reward_funcs=reward_fn, args=config, train_dataset=prompts, callbacks=[clock])
+    trainer = GRPOTrainer(model=start_model, reward_funcs=reward_fn, args=config, train_dataset=prompts,
+                          callbacks=[clock])
     t0 = time.time()
     trainer.train()
     ends = [t0] + clock.times
-    per_rollout = [ends[i + args.mini_batches] - ends[i] for i in range(args.mini_batches, len(ends) - args.mini_batches, args.mini_batches)]
+    per_rollout = [ends[i + args.mini_batches] - ends[i]          # the first rollout (untimed) is skipped
+                   for i in range(args.mini_batches, len(ends) - args.mini_batches, args.mini_batches)]
     step = sum(per_rollout) / max(1, len(per_rollout))
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     return {"step_time": step, "perf/tokens_per_second": rollout * lengths[-1] / step,
