@@ -2164,3 +2164,109 @@ def test_notebook_executes(notebook):
     except CellExecutionError as err:
         message = re.sub(r"\x1b\[[0-9;]*m", "", str(err))                # drop ANSI colours
         pytest.fail(f"{notebook.name}: a cell raised\n{message}", pytrace=False)
+
+
+# =============================================================================
+# 17. TRL engine (tepo_trl.py)
+# =============================================================================
+# Parity: on the micro built-in model, one TRL rollout (TRL's generation, rewards and advantages) is
+# made once per case; TRL's own _compute_loss (loss_type / importance_sampling_level) and
+# TepoGRPOTrainer's (tepo.OBJECTIVES) then each take one SGD step from the same weights on the
+# same completions, as two micro-batches of one accumulated step. Loss, gradients and parameters
+# after the step must agree to 1e-5. The batch is made off-policy (old and reference log-probs
+# moved by seeded noise) so that clipping and the KL term act.
+# Documented differences, set to agree here: TRL's advantage epsilon is 1e-4 (tepo's adv_eps is set
+# to it in the advantage check); TRL 1.16 multiplies the KL term by the ratio by default
+# (use_bias_correction_kl), which tepo's GRPO does not: off in both (tepo_trl.grpo_config does this).
+import copy  # noqa: E402
+
+TRL_PARITY = {   # case: (tepo objective, its config overrides, TRL's own loss settings)
+    "dapo": ("dapo", {}, dict(loss_type="dapo")),
+    "grpo_beta0": ("grpo", {"beta": 0.0}, dict(loss_type="grpo")),
+    "grpo_beta0.04": ("grpo", {}, dict(loss_type="grpo")),
+    "dr_grpo": ("dr_grpo", {}, dict(loss_type="dr_grpo")),
+    "gspo": ("gspo", {}, dict(loss_type="grpo", importance_sampling_level="sequence")),
+}
+
+
+def reward_by_length(completions, **_):
+    """A reward that differs within groups even for an untrained model: the length mod 3."""
+    return [float(len(c) % 3) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def trl_model(workdir):
+    """The micro built-in model directory (warmed up and cached like section 15's runs)."""
+    pytest.importorskip("trl")
+    args, _ = ts.parse_args(MICRO)
+    return ts.prepare_start_model(args, ts.load_task(args), torch.device("cpu"))
+
+
+def parity_trainer(model_dir, objective, cfg, trl_loss, out):
+    import datasets
+    import tepo_trl
+    config = tepo_trl.grpo_config(
+        objective, cfg, output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        num_generations=4, max_completion_length=12, temperature=1.0, top_k=0, top_p=1.0, seed=0, use_cpu=True,
+        bf16=False, report_to="none", save_strategy="no", activation_checkpointing=False, disable_dropout=True,
+        **trl_loss)
+    prompts = datasets.Dataset.from_dict({"prompt": ["Ann has 2 eggs and gets 1 more. How many eggs now?\n",
+                                                     "Bob has 2 bags of 2 pens. How many pens in all?\n"]})
+    return tepo_trl.TepoGRPOTrainer(model=model_dir, reward_funcs=reward_by_length, args=config,
+                                    train_dataset=prompts, objective=objective, objective_config=cfg)
+
+
+def one_accumulated_step(trainer, compute_loss, micro_batches):
+    """Sum of the micro-batch losses, backward, one SGD step on a copy: (loss, grads, params).
+    SGD, not Adam: Adam's first step is lr * g / (|g| + 1e-8), which turns float32 rounding on a
+    gradient of size 1e-8 into a difference of size lr; SGD's update shows the gradient itself."""
+    model = copy.deepcopy(trainer.model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    total = 0.0
+    for batch in micro_batches:
+        loss = compute_loss(trainer, model, batch)
+        loss.backward()
+        total += loss.item()
+    grads = [p.grad.clone() for p in model.parameters()]
+    optimizer.step()
+    return total, grads, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("case", list(TRL_PARITY))
+def test_trl_parity_one_step(case, trl_model, tmp_path):
+    from trl import GRPOTrainer
+    from trl.trainer.utils import split_tensor_dict
+    objective, overrides, trl_loss = TRL_PARITY[case]
+    cfg = tepo.config_for(objective, **overrides)
+    trainer = parity_trainer(trl_model, objective, cfg, trl_loss, str(tmp_path))
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2          # as Trainer's loop sets it
+    torch.manual_seed(0)
+    rows = [{"prompt": p} for p in trainer.train_dataset["prompt"] for _ in range(4)]   # 2 groups of G = 4
+    inputs = trainer._generate_and_score_completions(rows)
+    # TRL's advantages are tepo's group_advantages with TRL's epsilon 1e-4
+    rewards = torch.tensor(list(trainer._logs["rewards"]["reward_by_length"])[-8:])
+    assert rewards.std() > 0
+    expected = tepo.group_advantages(rewards, 4, cfg.advantage_scale, eps=1e-4)
+    torch.testing.assert_close(inputs["advantages"].float(), expected.float(), atol=1e-6, rtol=1e-6)
+    # off-policy old and reference log-probs (seeded), so that clipping and the KL term act
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        logp, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attn, ids.shape[1] -
+                                                                inputs["prompt_ids"].shape[1])
+    noise = torch.Generator().manual_seed(1)
+    inputs["old_per_token_logps"] = logp + 0.3 * torch.randn(logp.shape, generator=noise)
+    if cfg.beta > 0:
+        inputs["ref_per_token_logps"] = logp + 0.3 * torch.randn(logp.shape, generator=noise)
+    micro_batches = split_tensor_dict(inputs, 2)
+    theirs = one_accumulated_step(trainer, GRPOTrainer._compute_loss, micro_batches)
+    ours = one_accumulated_step(trainer, type(trainer)._compute_loss, micro_batches)
+    assert ours[0] == pytest.approx(theirs[0], abs=1e-5)
+    for name, a, b in (("gradient", ours[1], theirs[1]), ("parameter", ours[2], theirs[2])):
+        assert max((x - y).abs().max().item() for x, y in zip(a, b)) < 1e-5, name
+    assert max(g.abs().max().item() for g in ours[1]) > 1e-3                 # a real update, not zero
+    logged = trainer._metrics["train"]
+    assert 0 < logged["clip_ratio/region_mean"][-1] < 1                      # the clip acted on some tokens
+    if cfg.beta > 0:
+        assert logged["kl"][-1] > 0                                          # tepo's kl_ref under TRL's name
