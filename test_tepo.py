@@ -2179,6 +2179,7 @@ def test_notebook_executes(notebook):
 # to it in the advantage check); TRL 1.16 multiplies the KL term by the ratio by default
 # (use_bias_correction_kl), which tepo's GRPO does not: off in both (tepo_trl.grpo_config does this).
 import copy  # noqa: E402
+import dataclasses  # noqa: E402
 
 TRL_PARITY = {   # case: (tepo objective, its config overrides, TRL's own loss settings)
     "dapo": ("dapo", {}, dict(loss_type="dapo")),
@@ -2270,3 +2271,57 @@ def test_trl_parity_one_step(case, trl_model, tmp_path):
     assert 0 < logged["clip_ratio/region_mean"][-1] < 1                      # the clip acted on some tokens
     if cfg.beta > 0:
         assert logged["kl"][-1] > 0                                          # tepo's kl_ref under TRL's name
+
+
+# The objectives TRL does not have run end to end through `train_small.py --engine trl`: two RL
+# steps, two epochs per rollout (the second pass is off-policy, so masks and penalties can act),
+# finite losses, and each objective's own metric in metrics.jsonl next to TRL's.
+# tepo_measured needs the rollout entropy that TepoGRPOTrainer adds to TRL's batch (tepo raises without it).
+TRL_OWN_METRIC = {"tepo": "kl_mask/frac", "tepo_measured": "kl_mask/penalty", "mpo": "ratio/max",
+                  "clip_cov": "cov/n_selected", "kl_cov": "cov/n_selected"}
+
+
+@pytest.mark.parametrize("case", list(TRL_OWN_METRIC))
+def test_trl_engine_two_steps(case, trl_model):
+    objective = case.removesuffix("_measured")
+    extra = ["--entropy-criterion", "measured"] if case.endswith("_measured") else []   # rollout entropy
+    out = f"runs/trl_{case}"
+    run_main([*MICRO, "--engine", "trl", "--objective", objective, *extra, "--steps", "2", "--epochs", "2",
+              "--save-every", "100", "--out", out])
+    rows = read_rows(out)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[-1]
+    for row in rows[1:]:
+        assert math.isfinite(row["loss"]) and math.isfinite(row["pg_loss"])
+        assert math.isfinite(row[TRL_OWN_METRIC[case]])
+        assert 0 <= row["accuracy/lenient"] <= 1 and "reward" in row and "entropy" in row
+        assert 0 < row["on_policy"] < 1          # epoch 1's first mini-batch is on-policy, later ones not
+    config = json.load(open(os.path.join(out, "config.json")))
+    overrides = {"entropy_criterion": "measured"} if extra else {}
+    assert config["engine"] == "trl"
+    assert config["objective_config"] == dataclasses.asdict(tepo.config_for(objective, **overrides))
+    assert os.path.exists(os.path.join(out, "policy", "config.json"))
+
+
+def test_trl_engine_bad_split_is_one_line(trl_model, capsys):
+    """A rollout of 2 x 4 completions cannot make 3 mini-batches: exit 2, one line, nothing written."""
+    with pytest.raises(SystemExit) as exc:
+        ts.main([*MICRO, "--engine", "trl", "--mini-batches", "3", "--out", "runs/trl_bad"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--mini-batches=3" in err and "divisor" in err
+    assert not os.path.exists("runs/trl_bad")
+
+
+@pytest.mark.parametrize("setting, message", [
+    (dict(beta=0.0), "beta=0.0"),                       # grpo's beta 0.04 needs TRL's reference log-probs
+    (dict(beta=0.04, entropy_coef=0.1), "entropy_coef=0.1"),   # a TRL loss switch tepo's loss would ignore
+])
+def test_trl_trainer_refuses_settings_it_would_ignore(setting, message, tmp_path):
+    pytest.importorskip("trl")
+    import tepo_trl
+    from trl import GRPOConfig
+    config = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", use_bias_correction_kl=False,
+                        **setting)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tepo_trl.TepoGRPOTrainer(model="unused", reward_funcs=[], args=config, objective="grpo")
