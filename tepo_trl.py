@@ -12,8 +12,9 @@ with the token / sequence counts of the whole optimizer step (exact gradient acc
 tepo.aggregate_loss), plus the one input TRL does not compute: the rollout entropy, for TEPO's
 `entropy_criterion="measured"` (tepo.needs_entropy).
 
+    import tepo
     from tepo_trl import TepoGRPOTrainer, grpo_config
-    cfg = tepo.config_for("tepo")
+    cfg = tepo.config_for("tepo")                      # paper defaults; any field can be overridden
     args = grpo_config("tepo", cfg, output_dir="out", num_generations=8, max_completion_length=256)
     trainer = TepoGRPOTrainer(model="Qwen/Qwen2.5-0.5B-Instruct", reward_funcs=my_reward, args=args,
                               train_dataset=prompts, objective="tepo", objective_config=cfg)
