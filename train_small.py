@@ -1653,6 +1653,12 @@ def main(argv=None) -> int:
         bench(args, obj_overrides)
     elif args.compare:
         compare(args, obj_overrides)
+    elif args.engine == "trl":   # the same objective inside TRL's GRPOTrainer (tepo_trl.py; needs trl)
+        try:
+            import tepo_trl
+        except ImportError as e:
+            fail(f"argument --engine: 'trl' needs TRL ({e}); pip install 'trl>=1.16,<1.17' or choose --engine tepo")
+        tepo_trl.train(args, obj_overrides)
     else:
         train(args, obj_overrides)
     return 0
