@@ -1851,6 +1851,7 @@ def test_every_config_field_has_its_own_comment_without_python_names():
 # 15. train_small.py
 # =============================================================================
 # Fast (CPU, no network), micro configurations only. The micro warm-up is cached once per module.
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -2007,16 +2008,25 @@ def test_recomputed_logprobs_equal_sampling_logprobs():
     batch = ts.generate_group(model, tok, questions, 2, args, torch.device("cpu"), want_logprobs=True)
     assert (batch["prompt_mask"] == 0).any()       # some rows really are left-padded
     adv = torch.randn(6)
-    stats = ts.rollout_statistics(model, None, batch, adv, args, torch.device("cpu"), check_rows=6)
+    keep = torch.ones(6, dtype=torch.bool)
+    run = micro_run(model, tok, args, "grpo", beta=0.0)
+    plan = ts.minibatch_plan(keep, args)
+    stats = ts.rollout_statistics(run, batch, adv, plan)
     mask = batch["completion_mask"].bool()
     gap = (batch["sampling_logp"] - stats["old_logp"]).abs()[mask]
     assert gap.max().item() < 1e-5
-    # and the update's first mini-batch sees ratio exactly 1
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    keep = torch.ones(6, dtype=torch.bool)
-    m = ts.update_policy(model, opt, tepo.OBJECTIVES["grpo"], tepo.config_for("grpo", beta=0.0), batch, stats,
-                         adv, keep, args, torch.device("cpu"))
-    assert m["logprobs/first_minibatch_max_abs_log_ratio"] < 1e-5
+    # and the update's first mini-batch sees ratio exactly 1 (same rows, same forward)
+    m = ts.update_policy(run, batch, stats, adv, plan)
+    assert m["logprobs/first_minibatch_max_abs_log_ratio"] == 0.0
+
+
+def micro_run(model, tokenizer, args, objective, ref_model=None, lr=1e-3, **overrides):
+    """A ts.Run around a model built in the test (no run directory, no task)."""
+    return ts.Run(args=dataclasses.replace(args, objective=objective), cfg=tepo.config_for(objective, **overrides),
+                  objective=tepo.OBJECTIVES[objective], device=torch.device("cpu"), run_dir="", model=model,
+                  ref_model=ref_model, tokenizer=tokenizer,
+                  optimizer=torch.optim.Adam(model.parameters(), lr=lr), train_set=None, test_set=None,
+                  first_step=1, details_path=None)
 
 
 # ---- command line -------------------------------------------------------------------------------

@@ -119,7 +119,6 @@ Not a library: import it only to call main(argv) or the small helpers in tests.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import hashlib
 import inspect
@@ -866,7 +865,7 @@ def load_policy(path: str, args: Args, device):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-        # fp32 weights (Adam's master copy); on CUDA the forward runs under bf16 autocast
+        # fp32 weights (Adam's master copy); with --precision bf16 the forward passes run under autocast
         model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=args.trust_remote_code,
                                                      dtype=torch.float32)
     except Exception as e:  # noqa: BLE001 -- any loading failure is a user-facing one-liner
@@ -877,18 +876,40 @@ def load_policy(path: str, args: Args, device):
     tokenizer.padding_side, tokenizer.truncation_side = "left", "left"   # generation needs left padding
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    # Stop on every end token the model knows: Qwen2.5-Instruct's own generation config stops on
+    # <|im_end|> and <|endoftext|>, its tokenizer names only one of them.
+    own_eos = model.generation_config.eos_token_id
+    eos_ids = sorted({i for i in as_list(own_eos) + as_list(model.config.eos_token_id) + [tokenizer.eos_token_id]
+                      if i is not None})
     # Sampling must be plain softmax(z / T): a model's own generation defaults (top_k, top_p,
     # repetition penalty) would change the distribution and the log-probs would no longer describe it.
-    model.generation_config = GenerationConfig(pad_token_id=tokenizer.pad_token_id,
-                                               eos_token_id=tokenizer.eos_token_id)
-    for module in model.modules():   # dropout off (GPT-2 defaults to 0.1): on-policy ratios must be 1
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
+    model.generation_config = GenerationConfig(pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)
+    switch_off_dropout(model)
     model.to(device).eval()
-    if args.gradient_checkpointing and device.type == "cuda":
-        model.gradient_checkpointing_enable()
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     return model, tokenizer
+
+
+def as_list(ids) -> list:
+    return list(ids) if isinstance(ids, (list, tuple)) else [ids]
+
+
+def switch_off_dropout(model) -> None:
+    """Dropout off everywhere: on-policy ratios must be exactly 1, also in train() mode (which gradient
+    checkpointing needs). nn.Dropout modules, and every float `*dropout*` / `*pdrop*` setting of the
+    config and of the modules: Qwen2's attention reads `self.attention_dropout`, a float copied from
+    the config, in train() mode."""
+    for key, value in model.config.to_dict().items():
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(model.config, key, 0.0)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for key, value in list(vars(module).items()):
+            if "dropout" in key and isinstance(value, float):
+                setattr(module, key, 0.0)
 
 
 # =====================================================================================================
@@ -915,17 +936,19 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> torch.T
     return (ends_before == 0).long()
 
 
-def eos_ids_of(tokenizer, model) -> list[int]:
-    ids = model.generation_config.eos_token_id
-    ids = ids if isinstance(ids, list) else [ids]
-    return sorted({i for i in ids + [tokenizer.eos_token_id] if i is not None})
+def eos_ids_of(model) -> list[int]:
+    """Every end token of the model (load_policy puts them all in its generation config)."""
+    return as_list(model.generation_config.eos_token_id)
 
 
-def autocast(device):
-    """bf16 autocast on CUDA; nothing on CPU."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return torch.autocast("cpu", enabled=False)
+def autocast(device, precision: str):
+    """--precision bf16: the forward passes run under bf16 autocast (CUDA and CPU alike); fp32: none.
+    Weights, gradients and Adam's state stay fp32 either way."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
+# Stacking generate's logits for the sampling check costs B * T * V * 4 bytes: above this it is skipped.
+SAMPLING_CHECK_MAX_BYTES = 2**30
 
 
 @torch.no_grad()
@@ -942,15 +965,16 @@ def generate_group(model, tokenizer, questions: list[str], group_size: int, args
     prompt_mask = enc.attention_mask.repeat_interleave(group_size, 0).to(device)   # [B, P]
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=args.temperature,
                                                          top_k=0, top_p=1.0)
-    with autocast(device):
+    eos_ids = eos_ids_of(model)
+    with autocast(device, args.precision):
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=args.max_new_tokens,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids_of(tokenizer, model),
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids,
                              return_dict_in_generate=True, output_logits=want_logprobs, use_cache=True, **sampling)
     completion_ids = out.sequences[:, prompt_ids.shape[1]:]                         # [B, T]
-    mask = completion_mask(completion_ids, eos_ids_of(tokenizer, model))
+    mask = completion_mask(completion_ids, eos_ids)
+    ends_with_eos = torch.isin(completion_ids[:, -1], torch.tensor(eos_ids, device=device))
     batch = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                 completion_mask=mask, truncated=(mask.sum(1) == completion_ids.shape[1])
-                 & ~torch.isin(completion_ids[:, -1], torch.tensor(eos_ids_of(tokenizer, model), device=device)))
+                 completion_mask=mask, truncated=(mask.sum(1) == completion_ids.shape[1]) & ~ends_with_eos)
     if want_logprobs:
         logits = torch.stack(out.logits, 1)                                         # [B, T, V] raw
         batch["sampling_logp"] = tepo.token_logprobs_from_logits(logits, completion_ids, args.temperature)
@@ -979,51 +1003,204 @@ def compute_advantages(rewards: torch.Tensor, args: Args, cfg: tepo.ObjectiveCon
 # 5-6. Log-probs and the update
 # =====================================================================================================
 
-def completion_logits(model, batch: dict, rows, device) -> torch.Tensor:
+def minibatch_plan(keep: torch.Tensor, args: Args) -> list[list[torch.Tensor]]:
+    """The rows of every optimizer step of this rollout, drawn before any forward pass: `epochs`
+    passes of `mini_batches` mini-batches of shuffled WHOLE groups, each mini-batch a list of
+    micro-batches of at most --micro-batch-size rows (row indices [b], CPU). Empty when DAPO's
+    filter dropped every group.
+
+    Mini-batches hold whole groups. A group's advantages sum to zero, so the tokens its samples
+    share (here: copying the question's numbers) get zero net gradient. Split a group across
+    mini-batches and those tokens get pure noise, which Adam scales up to full-size steps:
+    measured, row-shuffled mini-batches taught the model to miscopy operands (62/300 held-out
+    answers after 100 GRPO steps, none before) and held-out accuracy fell. Micro-batches may split
+    a group: their gradients add up to the mini-batch's before the optimizer step.
+    """
+    G = args.group_size
+    kept_groups = keep.view(-1, G).all(1).nonzero().squeeze(1)
+    if len(kept_groups) == 0:
+        return []
+    plan = []
+    for _ in range(args.epochs):
+        groups = kept_groups[torch.randperm(len(kept_groups))]
+        for chunk in groups.tensor_split(min(args.mini_batches, len(groups))):
+            rows = (chunk.unsqueeze(1) * G + torch.arange(G)).reshape(-1)           # [b] whole groups
+            plan.append(list(rows.split(args.micro_batch_size or len(rows))))
+    return plan
+
+
+def rows_per_forward(args: Args) -> int:
+    """Rows in one forward pass: --micro-batch-size, or a whole (nominal) mini-batch when it is 0."""
+    return args.micro_batch_size or math.ceil(args.prompts_per_step / args.mini_batches) * args.group_size
+
+
+def completion_logits(model, batch: dict, rows, args: Args) -> torch.Tensor:
     """Logits at the completion positions only (prompt logits are never materialised).   [b, T, V]
 
     Left padding + absolute positions: position_ids = cumsum(attention_mask) - 1, exactly as
     generate did, otherwise every log-prob is off (by up to 14 nats on GPT-2).
     """
+    rows = rows.to(batch["prompt_ids"].device)
     ids = torch.cat([batch["prompt_ids"][rows], batch["completion_ids"][rows]], 1)       # [b, P+T]
     attn = torch.cat([batch["prompt_mask"][rows], batch["completion_mask"][rows]], 1)    # [b, P+T]
     position_ids = (attn.cumsum(1) - 1).clamp(min=0)
     T = batch["completion_ids"].shape[1]
-    with autocast(device):
+    with autocast(ids.device, args.precision):
         # logits_to_keep=T+1: the last T+1 positions; position P-1+t predicts completion token t.
         logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids,
                        logits_to_keep=T + 1, use_cache=False).logits
     return logits[:, :-1]
 
 
+def positions_per_chunk(vocab_size: int) -> int:
+    """Positions per chunk so that one chunk of float32 logits is at most 64 MiB."""
+    return max(1, 2**24 // vocab_size)
+
+
+class ChunkedTokenLogprobs(torch.autograd.Function):
+    """tepo.token_logprobs_from_logits, same values and gradient, in chunks of positions.
+
+    Autograd's version keeps a float32 copy of the [b, T, V] logits and logsumexp's temporaries
+    alive until the backward (with a 151,936-token vocabulary that is several copies of the
+    largest tensor of the step). This one keeps only the logits (the model's output, alive anyway)
+    and logsumexp per position [b, T], and recomputes softmax chunk by chunk in the backward:
+        d log p(y) / d z_v = (1[v = y] - softmax(z / T)_v) / T
+    """
+
+    @staticmethod
+    def forward(ctx, logits, tokens, temperature: float):
+        V = logits.shape[-1]
+        flat, flat_tokens = logits.reshape(-1, V), tokens.reshape(-1, 1)
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        out = torch.empty(flat.shape[0], dtype=dtype, device=logits.device)
+        lse = torch.empty_like(out)
+        chunk = positions_per_chunk(V)
+        for s in range(0, flat.shape[0], chunk):
+            z = flat[s:s + chunk].to(dtype) / temperature
+            lse[s:s + chunk] = torch.logsumexp(z, -1)
+            out[s:s + chunk] = z.gather(-1, flat_tokens[s:s + chunk]).squeeze(-1) - lse[s:s + chunk]
+        ctx.save_for_backward(logits, tokens, lse)
+        ctx.temperature = temperature
+        return out.view(tokens.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, tokens, lse = ctx.saved_tensors
+        V, T = logits.shape[-1], ctx.temperature
+        flat, flat_tokens, g = logits.reshape(-1, V), tokens.reshape(-1, 1), grad_out.reshape(-1, 1)
+        grad = torch.empty_like(flat)
+        chunk = positions_per_chunk(V)
+        for s in range(0, flat.shape[0], chunk):
+            z = flat[s:s + chunk].to(lse.dtype) / T
+            d = -torch.exp(z - lse[s:s + chunk, None]) * g[s:s + chunk]                # -softmax * g
+            d.scatter_add_(-1, flat_tokens[s:s + chunk], g[s:s + chunk])               # + onehot * g
+            grad[s:s + chunk] = d / T
+        return grad.view_as(logits), None, None
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T) at the sampled tokens, memory-bounded.          [b, T, V], [b, T] -> [b, T]"""
+    return ChunkedTokenLogprobs.apply(logits, tokens, temperature)
+
+
+def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Full-vocabulary entropy per position, one 64 MiB chunk at a time.                 [b, T, V] -> [b, T]"""
+    return tepo.entropy_from_logits(logits.detach(), temperature, positions_per_chunk(logits.shape[-1]))
+
+
+class EntropyCheckPositions:
+    """The logits before the update at the positions the entropy check uses (entropy_check).
+
+    Positions: the valid completion tokens of the first --entropy-check-rows rows of the rollout,
+    at most ENTROPY_CHECK_MAX_POSITIONS of them, kept in the model's dtype ([n, V]): with a
+    151,936-token vocabulary each position costs 0.6 MB in float32, so the number must be bounded.
+    """
+
+    def __init__(self, batch: dict, args: Args):
+        rows = min(args.entropy_check_rows, batch["completion_ids"].shape[0])
+        valid = batch["completion_mask"][:rows].bool()                              # [c, T]
+        valid &= valid.flatten().cumsum(0).view_as(valid) <= ENTROPY_CHECK_MAX_POSITIONS
+        self.rows, self.valid = rows, valid
+        self.slot = torch.full(valid.shape, -1, dtype=torch.long, device=valid.device)  # [c, T]
+        self.slot[valid] = torch.arange(int(valid.sum()), device=valid.device)
+        self.before = None                                                          # [n, V]
+
+    def capture(self, rows: torch.Tensor, logits: torch.Tensor) -> None:
+        """Keep the rollout-policy logits of this forward's checked positions."""
+        rows = rows.to(self.valid.device)
+        here = rows < self.rows
+        if not here.any():
+            return
+        if self.before is None:
+            self.before = logits.new_empty(int(self.valid.sum()), logits.shape[-1])
+        valid = self.valid[rows[here]]                                              # [h, T]
+        self.before[self.slot[rows[here]][valid]] = logits.detach()[here][valid]
+
+
+ENTROPY_CHECK_MAX_POSITIONS = 2048   # the default built-in run checks ~1,000 (64 rows x ~16 tokens)
+
+
 @torch.no_grad()
-def rollout_statistics(model, ref_model, batch: dict, adv: torch.Tensor, args: Args, device, check_rows: int) -> dict:
-    """Old (and reference) log-probs, entropy and Cov(log pi, A) with the update's own forward."""
-    B = batch["completion_ids"].shape[0]
+def rollout_statistics(run, batch: dict, adv: torch.Tensor, plan: list) -> dict:
+    """Before any update: old and reference log-probs, entropy, Cov(log pi, A), and the logits the
+    entropy check starts from.
+
+    The old log-probs are computed with the SAME micro-batches as the update's first epoch (the
+    rows its optimizer steps will see), so the first of them is exactly on-policy whatever the
+    kernels: same rows, same shapes, same arithmetic. Rows no optimizer step sees (dropped by
+    DAPO's filter) are still needed for the rollout's entropy and covariance.
+    """
+    args, B = run.args, batch["completion_ids"].shape[0]
     mask = batch["completion_mask"]
-    old_logp, ref_logp, entropy, before = [], [], [], []
-    chunk = max(1, math.ceil(B / args.mini_batches))
-    for start in range(0, B, chunk):
-        rows = torch.arange(start, min(B, start + chunk), device=device)
-        logits = completion_logits(model, batch, rows, device)                         # [b, T, V]
-        old_logp.append(tepo.token_logprobs_from_logits(logits, batch["completion_ids"][rows], args.temperature))
-        entropy.append(tepo.entropy_from_logits(logits, args.temperature))
-        if start < check_rows:   # keep the "before" logits of the rows used for the entropy check
-            before.append(logits[:max(0, check_rows - start)].float())
-        if ref_model is not None:
-            ref_logits = completion_logits(ref_model, batch, rows, device)
-            ref_logp.append(tepo.token_logprobs_from_logits(ref_logits, batch["completion_ids"][rows], args.temperature))
-    old_logp, entropy = torch.cat(old_logp), torch.cat(entropy)                        # [B, T]
-    return dict(old_logp=old_logp, entropy=entropy, ref_logp=torch.cat(ref_logp) if ref_logp else None,
-                logits_before=torch.cat(before) if before else None,
+    first_epoch = [rows for minibatch in plan[:len(plan) // args.epochs] for rows in minibatch]
+    seen = torch.zeros(B, dtype=torch.bool)
+    for rows in first_epoch:
+        seen[rows] = True
+    unseen = torch.arange(B)[~seen]
+    forwards = first_epoch + (list(unseen.split(rows_per_forward(args))) if len(unseen) else [])
+    old_logp = torch.zeros(mask.shape, device=mask.device)                         # [B, T]
+    entropy = torch.zeros_like(old_logp)                                            # [B, T]
+    ref_logp = torch.zeros_like(old_logp) if run.ref_model is not None else None    # [B, T]
+    check = EntropyCheckPositions(batch, args)
+    for rows in forwards:
+        logits = completion_logits(run.model, batch, rows, args)                   # [b, T, V]
+        tokens = batch["completion_ids"][rows.to(mask.device)]
+        old_logp[rows] = token_logprobs(logits, tokens, args.temperature).float()
+        entropy[rows] = token_entropy(logits, args.temperature).float()
+        check.capture(rows, logits)
+        if run.ref_model is not None:
+            ref_logits = completion_logits(run.ref_model, batch, rows, args)
+            ref_logp[rows] = token_logprobs(ref_logits, tokens, args.temperature).float()
+        del logits                 # before the next forward allocates its own
+    return dict(old_logp=old_logp, entropy=entropy, ref_logp=ref_logp, check=check,
                 entropy_mean=tepo.masked_mean(entropy, mask).item(),
-                cov=tepo.masked_mean(tepo.token_covariance(old_logp, adv.to(device), mask), mask).item())
+                cov=tepo.masked_mean(tepo.token_covariance(old_logp, adv.to(mask.device), mask), mask).item(),
+                **precision_noise_floor(run, batch, forwards[0], old_logp))
+
+
+@torch.no_grad()
+def precision_noise_floor(run, batch: dict, rows: torch.Tensor, logp: torch.Tensor) -> dict:
+    """How far the run's precision puts the log-probs from float32's, on one micro-batch: max and mean
+    |log pi(bf16 autocast) - log pi(fp32)| over its valid tokens (0 in fp32, not computed).
+
+    Any ratio band or masked penalty that acts on smaller log-ratios than this acts on rounding
+    noise: GSPO's and TEPO's band is (1 - 3e-4, 1 + 4e-4), i.e. |log s| < 4e-4.
+    """
+    if run.args.precision == "fp32":
+        return {"precision/logp_error_max": 0.0, "precision/logp_error_mean": 0.0}
+    fp32_args = dataclasses.replace(run.args, precision="fp32")
+    exact = token_logprobs(completion_logits(run.model, batch, rows, fp32_args),
+                           batch["completion_ids"][rows.to(logp.device)], run.args.temperature)
+    valid = batch["completion_mask"][rows.to(logp.device)].bool()
+    error = (logp[rows] - exact).abs()[valid]
+    return {"precision/logp_error_max": error.max().item(), "precision/logp_error_mean": error.mean().item()}
 
 
 class KLMaskDetails:
     """One row of details.jsonl: where TEPO's KL mask falls during one RL step (module docstring).
 
-    update_policy calls add() once per mini-batch; row() then builds the JSON row. Logging only:
+    update_policy calls add() once per micro-batch and close() after each optimizer step; row() then
+    builds the JSON row. Logging only:
     every mask is rebuilt here from detached tensors and nothing flows back into the loss or the
     optimizer, so a run's metrics.jsonl is the same with or without it.
     """
@@ -1034,6 +1211,7 @@ class KLMaskDetails:
                                     for c in tepo.ENTROPY_CRITERIA}}
         self.masked = []                                                    # per mini-batch: [3] counts
         self.valid = []                                                     # per mini-batch: valid count
+        self.open = None                                                    # counts of the current one
         self.masked_at = torch.zeros(T, dtype=torch.long, device=device)    # [T]
         self.valid_at = torch.zeros(T, dtype=torch.long, device=device)     # [T]
         self.last = None                                                    # the last mini-batch's tensors
@@ -1044,12 +1222,18 @@ class KLMaskDetails:
         logp, entropy, valid = logp.detach(), entropy.detach(), mask.bool()
         masks = {key: tepo.tepo_kl_mask(logp, adv, mask, c, entropy, old_entropy)       # bool [b, T] each
                  for key, c in self.configs.items()}
-        self.masked.append(torch.stack([m.sum() for m in masks.values()]))
-        self.valid.append(valid.sum())
+        counts = (torch.stack([m.sum() for m in masks.values()]), valid.sum())
+        self.open = counts if self.open is None else (self.open[0] + counts[0], self.open[1] + counts[1])
         self.masked_at += masks[""].sum(0)
         self.valid_at += valid.sum(0)
         self.last = dict(rows=rows, masks=masks, logp=logp, old_logp=old_logp, adv=adv, mask=valid,
                          entropy=entropy, old_entropy=old_entropy)
+
+    def close(self) -> None:
+        """The optimizer step is done: its mini-batch's counts become one entry of the lists."""
+        self.masked.append(self.open[0])
+        self.valid.append(self.open[1])
+        self.open = None
 
     def row(self, step: int, batch: dict, rewards: torch.Tensor, tokenizer) -> dict:
         """The JSON row of this step; a skipped step (no add()) has empty lists and no sample."""
@@ -1064,7 +1248,7 @@ class KLMaskDetails:
         return row
 
     def sample(self, batch: dict, rewards: torch.Tensor, tokenizer) -> dict:
-        """The last mini-batch's first row in rollout order with A > 0 (its first row if none)."""
+        """The last micro-batch's first row in rollout order with A > 0 (its first row if none)."""
         last = self.last
         order = last["rows"].argsort()                       # mini-batch positions in rollout order
         positive = (last["adv"][order] > 0).nonzero()
@@ -1086,60 +1270,89 @@ class KLMaskDetails:
                 "cov": tokens_of(cov, 5), "log_ratio": tokens_of(last["logp"][j] - last["old_logp"][j], 6)}
 
 
-def update_policy(model, optimizer, objective, cfg, batch: dict, stats: dict, adv: torch.Tensor,
-                  keep: torch.Tensor, args: Args, device, details: KLMaskDetails | None = None) -> dict:
-    """Several optimizer steps on one rollout: `epochs` passes of `mini_batches` mini-batches of
-    shuffled whole groups. With `details`, each mini-batch's KL masks are logged there too."""
-    # Mini-batches hold WHOLE groups. A group's advantages sum to zero, so the tokens its samples
-    # share (here: copying the question's numbers) get zero net gradient. Split a group across
-    # mini-batches and those tokens get pure noise, which Adam scales up to full-size steps:
-    # measured, row-shuffled mini-batches taught the model to miscopy operands (62/300 held-out
-    # answers after 100 GRPO steps, none before) and held-out accuracy fell.
-    G = args.group_size
-    groups_all = keep.view(-1, G).all(1).nonzero().squeeze(1).to(device)            # kept group ids
-    adv = adv.to(device)
-    collected, first_dev = [], None
-    needs_entropy = tepo.needs_entropy(args.objective, cfg)
-    if args.gradient_checkpointing and device.type == "cuda":
-        model.train()   # transformers checkpoints only in train mode; dropout was zeroed in load_policy
-    for _ in range(args.epochs):
-        groups = groups_all[torch.randperm(len(groups_all)).to(device)]
-        for chunk in groups.tensor_split(min(args.mini_batches, len(groups))):
-            rows = (chunk.unsqueeze(1) * G + torch.arange(G, device=device)).reshape(-1)  # [b] whole groups
-            mask = batch["completion_mask"][rows]
-            logits = completion_logits(model, batch, rows, device)                     # [b, T, V]
-            logp = tepo.token_logprobs_from_logits(logits, batch["completion_ids"][rows], args.temperature)
-            # The current entropy: for the objective when its criterion needs it, and for the
-            # details log (the measured criterion) even when it does not; the loss gets it only
-            # in the first case, as without the log.
-            entropy = (tepo.entropy_from_logits(logits.detach(), args.temperature)
-                       if needs_entropy or details is not None else None)                # [b, T]
-            ref = stats["ref_logp"][rows] if stats["ref_logp"] is not None else None
-            loss, metrics = objective(logp, stats["old_logp"][rows], adv[rows], mask, cfg, ref_logp=ref,
-                                      entropy=entropy if needs_entropy else None,
-                                      old_entropy=stats["entropy"][rows] if needs_entropy else None,
-                                      num_tokens=mask.sum().item(), num_seqs=float(len(rows)))
-            if details is not None:
-                details.add(rows, logp, stats["old_logp"][rows], adv[rows], mask, entropy, stats["entropy"][rows])
-            if first_dev is None:   # before any optimizer step: must be exactly on-policy
-                delta = (logp.detach() - stats["old_logp"][rows]).abs()
-                first_dev = torch.where(mask.bool(), delta, torch.zeros_like(delta)).max().item()
-            optimizer.zero_grad(set_to_none=True)
+def update_policy(run, batch: dict, stats: dict, adv: torch.Tensor, plan: list, details=None) -> dict:
+    """One optimizer step per mini-batch of the plan, its gradient accumulated over its micro-batches.
+
+    The objective is told the mini-batch's token and sequence counts (num_tokens, num_seqs), so the
+    micro-batch losses add up to the mini-batch's loss, gradient included (tepo.aggregate_loss).
+    Exact for every objective whose loss is a sum over tokens or sequences; the ones that select
+    tokens by statistics of the batch (Clip-Cov, KL-Cov, TEPO's `cov` criterion: the covariance's
+    centring, the top-k and the random draw) compute those per micro-batch, as verl does.
+    """
+    model, args = run.model, run.args
+    if args.gradient_checkpointing:
+        model.train()   # transformers checkpoints only in train mode; dropout is off (switch_off_dropout)
+    mask, adv = batch["completion_mask"], adv.to(batch["completion_mask"].device)
+    steps, first = [], None
+    for micro_batches in plan:
+        rows = torch.cat(micro_batches)
+        counts = dict(num_tokens=mask[rows].sum().item(), num_seqs=float(len(rows)))   # the whole mini-batch's
+        run.optimizer.zero_grad(set_to_none=True)
+        parts = []
+        for micro in micro_batches:
+            loss, metrics, log_ratio = micro_batch_loss(run, batch, stats, adv, micro, counts, details)
             loss.backward()
-            metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
-            optimizer.step()
-            collected.append(metrics)
+            parts.append((metrics, mask[micro].sum().item()))
+            if first is None:   # before any optimizer step: the first micro-batch must be exactly on-policy
+                first = log_ratio
+        if details is not None:
+            details.close()
+        metrics = combine_micro_batches(parts)
+        metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+        run.optimizer.step()
+        steps.append(metrics)
     model.eval()
+    out = {key: sum(m[key] for m in steps) / len(steps) for key in steps[0]}
+    out["ratio/min"], out["ratio/max"] = min(m["ratio/min"] for m in steps), max(m["ratio/max"] for m in steps)
+    out["logprobs/first_minibatch_max_abs_log_ratio"] = first.max().item() if len(first) else 0.0
+    out["logprobs/first_minibatch_mean_abs_log_ratio"] = first.mean().item() if len(first) else 0.0
+    return out
+
+
+def micro_batch_loss(run, batch: dict, stats: dict, adv: torch.Tensor, rows: torch.Tensor, counts: dict,
+                     details=None):
+    """The objective on one micro-batch: (loss, metrics, |log pi - log pi_old| at its valid tokens)."""
+    args, cfg = run.args, run.cfg
+    idx = rows.to(adv.device)
+    mask, tokens = batch["completion_mask"][idx], batch["completion_ids"][idx]
+    logits = completion_logits(run.model, batch, rows, args)                       # [b, T, V]
+    logp = token_logprobs(logits, tokens, args.temperature)                          # [b, T]
+    # The current entropy: for the objective when its criterion needs it, and for the details log
+    # (the measured criterion) even when it does not; the loss gets it only in the first case.
+    needs_entropy = tepo.needs_entropy(args.objective, cfg)
+    entropy = token_entropy(logits, args.temperature) if needs_entropy or details is not None else None
+    old_logp, old_entropy = stats["old_logp"][idx], stats["entropy"][idx]
+    ref = stats["ref_logp"][idx] if stats["ref_logp"] is not None else None
+    loss, metrics = run.objective(logp, old_logp, adv[idx], mask, cfg, ref_logp=ref,
+                                  entropy=entropy if needs_entropy else None,
+                                  old_entropy=old_entropy if needs_entropy else None, **counts)
+    if details is not None:
+        details.add(idx, logp, old_logp, adv[idx], mask, entropy, old_entropy)
+    log_ratio = (logp.detach() - old_logp).abs()[mask.bool()]
+    return loss, metrics, log_ratio
+
+
+def combine_micro_batches(parts: list[tuple[dict, int]]) -> dict:
+    """One mini-batch's metrics from its micro-batches' (metrics, valid tokens): the loss and its parts
+    add up (each micro-batch's loss is its share of the mini-batch's); ratio extremes are extremes;
+    on_policy holds if it held everywhere; every other metric is a token-weighted mean."""
+    total = sum(n for _, n in parts) or 1
     out = {}
-    for key in (collected[0] if collected else {}):
-        values = [m[key] for m in collected]
-        out[key] = min(values) if key == "ratio/min" else max(values) if key == "ratio/max" else sum(values) / len(values)
-    out["logprobs/first_minibatch_max_abs_log_ratio"] = first_dev
+    for key in parts[0][0]:
+        values = [m[key] for m, _ in parts]
+        if key in ("loss", "pg_loss", "kl_loss"):
+            out[key] = sum(values)
+        elif key in ("ratio/min", "on_policy"):
+            out[key] = min(values)
+        elif key == "ratio/max":
+            out[key] = max(values)
+        else:
+            out[key] = sum(v * n for v, (_, n) in zip(values, parts)) / total
     return out
 
 
 @torch.no_grad()
-def entropy_check(model, batch: dict, stats: dict, args: Args, device, check_rows: int) -> tuple[float, float, float]:
+def entropy_check(run, batch: dict, stats: dict) -> tuple[float, float, float]:
     """Predicted vs measured entropy change of this step's updates, at the same completion positions
     (tepo.entropy_change_prediction: -Cov_p(log p, z_after - z_before) against H_after - H_before).
     Returns (predicted mean, measured mean, correlation across the positions).
@@ -1152,14 +1365,17 @@ def entropy_check(model, batch: dict, stats: dict, args: Args, device, check_row
     steps of each objective (notebooks/logs): median per-step position correlation 0.97-0.99,
     correlation of the per-step MEANS 0.65-0.93.
     """
-    if stats["logits_before"] is None:
+    check = stats["check"]
+    if check.before is None:
         return float("nan"), float("nan"), float("nan")
-    rows = torch.arange(check_rows, device=device)
-    after = completion_logits(model, batch, rows, device).float()
-    predicted, measured = tepo.entropy_change_prediction(stats["logits_before"], after, args.temperature)
-    mask = batch["completion_mask"][rows].bool()
-    corr = pearson(predicted[mask].tolist(), measured[mask].tolist())
-    return tepo.masked_mean(predicted, mask).item(), tepo.masked_mean(measured, mask).item(), corr
+    after = torch.empty_like(check.before)                                          # [n, V]
+    for rows in torch.arange(check.rows).split(rows_per_forward(run.args)):
+        logits = completion_logits(run.model, batch, rows, run.args)
+        valid = check.valid[rows.to(check.valid.device)]
+        after[check.slot[rows.to(check.valid.device)][valid]] = logits[valid]
+    predicted, measured = tepo.entropy_change_prediction(check.before, after, run.args.temperature,
+                                                         positions_per_chunk(after.shape[-1]))
+    return predicted.mean().item(), measured.mean().item(), pearson(predicted.tolist(), measured.tolist())
 
 
 # =====================================================================================================
@@ -1168,20 +1384,28 @@ def entropy_check(model, batch: dict, stats: dict, args: Args, device, check_row
 
 @torch.no_grad()
 def evaluate(model, tokenizer, test, args: Args, device) -> dict:
-    """Held-out accuracy with greedy decoding (strict and lenient) and pass@k with sampling."""
-    strict_all, lenient_all = [], []
-    for start in range(0, len(test), 128):
-        rows = test.select(range(start, min(len(test), start + 128)))
-        batch = generate_group(model, tokenizer, list(rows["question"]), 1, args, device, greedy=True)
-        s, l = score_completions(decode(tokenizer, batch), [gold_answer(a) for a in list(rows["answer"])])
-        strict_all.append(s), lenient_all.append(l)
-    rows = test.select(range(min(len(test), args.pass_k_problems)))
-    batch = generate_group(model, tokenizer, list(rows["question"]), args.pass_k, args, device)
-    texts = decode(tokenizer, batch)
-    s, _ = score_completions(texts, [gold_answer(a) for a in list(rows["answer"]) for _ in range(args.pass_k)])
-    return {"eval/accuracy": torch.cat(strict_all).mean().item(), "eval/accuracy_lenient": torch.cat(lenient_all).mean().item(),
-            f"eval/pass@{args.pass_k}": s.view(-1, args.pass_k).amax(1).mean().item(),
-            f"eval/mean@{args.pass_k}": s.mean().item()}
+    """Held-out accuracy with greedy decoding (strict and lenient) and pass@k with sampling.
+    Generation goes one rollout's worth of rows at a time, so evaluation never needs more memory
+    (KV cache) than a training step's rollout."""
+    rollout_rows = args.prompts_per_step * args.group_size
+    greedy = [score_completions(decode(tokenizer, generate_group(model, tokenizer, list(rows["question"]), 1, args,
+                                                                 device, greedy=True)),
+                                [gold_answer(a) for a in rows["answer"]])
+              for rows in dataset_chunks(test, len(test), rollout_rows)]
+    sampled = [score_completions(decode(tokenizer, generate_group(model, tokenizer, list(rows["question"]),
+                                                                  args.pass_k, args, device)),
+                                 [gold_answer(a) for a in rows["answer"] for _ in range(args.pass_k)])[0]
+               for rows in dataset_chunks(test, args.pass_k_problems, max(1, rollout_rows // args.pass_k))]
+    right = torch.cat(sampled).view(-1, args.pass_k)                                # [problems, k]
+    return {"eval/accuracy": torch.cat([s for s, _ in greedy]).mean().item(),
+            "eval/accuracy_lenient": torch.cat([l for _, l in greedy]).mean().item(),
+            f"eval/pass@{args.pass_k}": right.amax(1).mean().item(), f"eval/mean@{args.pass_k}": right.mean().item()}
+
+
+def dataset_chunks(data, n: int, size: int):
+    """The first n records of a dataset, `size` at a time."""
+    n = min(n, len(data))
+    return [data.select(range(start, min(n, start + size))) for start in range(0, n, size)]
 
 
 def decode(tokenizer, batch: dict) -> list[str]:
@@ -1264,11 +1488,32 @@ def truncate_log(path: str, first_step: int) -> None:
     write_atomically(path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in rows).encode()))
 
 
+def reset_peak_memory(device) -> None:
+    """Start a run's peak-memory count afresh (--compare runs several in one process). On Linux,
+    writing 5 to /proc/self/clear_refs resets the process's peak resident memory (VmHWM)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    elif os.path.exists("/proc/self/clear_refs"):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+
 def peak_memory_mb(device) -> float:
+    """Peak allocated CUDA memory, or the peak resident memory of the process on the CPU (since the
+    last reset_peak_memory), in MiB."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated() / 2**20
+    return process_memory_mb("VmHWM")
+
+
+def process_memory_mb(field: str = "VmRSS") -> float:
+    """VmRSS (now) or VmHWM (peak) of this process from /proc/self/status, in MiB (getrusage elsewhere)."""
+    if os.path.exists("/proc/self/status"):
+        for line in open("/proc/self/status"):
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024                 # kB
     import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # Linux: KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak, KiB on Linux
 
 
 def pearson(x: list[float], y: list[float]) -> float:
@@ -1284,10 +1529,56 @@ def run_name(args: Args) -> str:
     return f"{task}__{args.objective}__{args.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+@dataclass
+class Run:
+    """What one RL run holds from step to step."""
+    args: Args
+    cfg: tepo.ObjectiveConfig
+    objective: object                   # tepo.OBJECTIVES[args.objective]
+    device: torch.device
+    run_dir: str
+    model: object
+    ref_model: object                   # None unless the objective needs one (tepo.needs_ref)
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    train_set: object
+    test_set: object
+    first_step: int                     # 1, or the step after the checkpoint when resuming
+    details_path: str | None            # details.jsonl, TEPO only
+
+
 def train(args: Args, obj_overrides: dict) -> dict:
-    """One RL run. Returns the summary (also written to <run dir>/summary.json)."""
+    """One RL run: start (or resume) it, then step, evaluate, log and checkpoint; the summary at the end."""
     from tqdm.auto import tqdm
     t_start = time.time()
+    run = start_run(args, obj_overrides)
+    args = run.args
+    last_step = args.steps if args.stop_after is None else min(args.steps, args.stop_after)
+    bar = tqdm(range(run.first_step, last_step + 1), desc=f"{args.objective} seed {args.seed}", dynamic_ncols=True)
+    for step in bar:
+        t0 = time.time()
+        row, details_row = rl_step(run, step)
+        if step % args.eval_every == 0 or step == args.steps:
+            row.update(evaluate(run.model, run.tokenizer, run.test_set, args, run.device))
+        row.update({"timing/eval": time.time() - t0 - row["step_time"], "step_time": time.time() - t0,
+                    "perf/peak_memory_mb": peak_memory_mb(run.device)})
+        append_row(os.path.join(run.run_dir, "metrics.jsonl"), row)
+        if details_row is not None:
+            append_row(run.details_path, details_row)
+        bar.set_postfix({"reward": f"{row['reward']:.2f}", "H": f"{row['entropy']:.3f}",
+                         **({"eval": f"{row['eval/accuracy']:.3f}"} if "eval/accuracy" in row else {})})
+        if step % args.save_every == 0 or step == last_step:
+            save_checkpoint(run.run_dir, run.model, run.optimizer, step)
+    if last_step < args.steps:     # interrupted on purpose (--stop-after): no summary yet
+        return {"run_dir": run.run_dir, "stopped_at": last_step}
+    save_pretrained_atomically(run.model.cpu(), run.tokenizer, os.path.join(run.run_dir, "policy"))
+    run.model.to(run.device)
+    return write_summary(run.run_dir, read_log(os.path.join(run.run_dir, "metrics.jsonl")), args, time.time() - t_start)
+
+
+def start_run(args: Args, obj_overrides: dict) -> Run:
+    """Load the task and the models, then either resume from the run directory's checkpoint or start
+    afresh: config.json, empty logs, the starting model's evaluation (step 0) and checkpoint 0."""
     torch.set_num_threads(args.threads)
     resume_dir = args.resume
     if resume_dir:   # the saved configuration wins; only how-to-run fields come from the command line
@@ -1297,34 +1588,36 @@ def train(args: Args, obj_overrides: dict) -> dict:
         run_only = {k: getattr(args, k) for k in RUN_ONLY_FIELDS}
         args = Args(**{**saved["args"], **run_only, "out": resume_dir})
         obj_overrides = saved["objective_overrides"]
-    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
+    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                          else "cpu")
     cfg, builtin = objective_config(args, obj_overrides)
-    objective = tepo.OBJECTIVES[args.objective]
     run_dir = args.out or os.path.join("runs", run_name(args))
     os.makedirs(run_dir, exist_ok=True)
+    print(f"run directory: {run_dir}", flush=True)
+    reset_peak_memory(device)
 
     seed_everything(args.seed)
     task = load_task(args)
     start_model = prepare_start_model(args, task, device)
     model, tokenizer = load_policy(start_model, args, device)
-    ref_model = load_policy(start_model, args, device)[0].requires_grad_(False) if tepo.needs_ref(args.objective, cfg) else None
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.999))
-    train_set, test_set = task["train"], task["test"].select(range(min(args.n_test, len(task["test"]))))
-
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    # TEPO's KL mask, per step (module docstring); other objectives have no mask to log.
-    details_path = os.path.join(run_dir, "details.jsonl") if args.objective == "tepo" else None
-    logs = [p for p in (metrics_path, details_path) if p is not None]
-    first_step = 1
+    ref_model = None
+    if tepo.needs_ref(args.objective, cfg):
+        ref_model = load_policy(start_model, args, device)[0].requires_grad_(False)
+    run = Run(args=args, cfg=cfg, objective=tepo.OBJECTIVES[args.objective], device=device, run_dir=run_dir,
+              model=model, ref_model=ref_model, tokenizer=tokenizer,
+              optimizer=torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.999)),
+              train_set=task["train"], test_set=task["test"].select(range(min(args.n_test, len(task["test"])))),
+              first_step=1, details_path=os.path.join(run_dir, "details.jsonl") if args.objective == "tepo" else None)
+    logs = [p for p in (os.path.join(run_dir, "metrics.jsonl"), run.details_path) if p is not None]
     seed_everything(args.seed)
     if resume_dir and os.path.exists(os.path.join(run_dir, "checkpoint.pt")):
         ckpt = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=False)
         model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        run.optimizer.load_state_dict(ckpt["optimizer"])
         set_rng_state(ckpt["rng"])
-        first_step = ckpt["step"] + 1
+        run.first_step = ckpt["step"] + 1
         for path in logs:
-            truncate_log(path, first_step)
+            truncate_log(path, run.first_step)
     else:
         json.dump({"args": dataclasses.asdict(args), "objective_overrides": obj_overrides,
                    "builtin_overrides": builtin, "objective_config": dataclasses.asdict(cfg),
@@ -1332,77 +1625,62 @@ def train(args: Args, obj_overrides: dict) -> dict:
                   open(os.path.join(run_dir, "config.json"), "w"), indent=2)
         for path in logs:
             open(path, "w").close()
-        row = {"step": 0, **evaluate(model, tokenizer, test_set, args, device)}   # the starting model
-        append_row(metrics_path, row)
-        save_checkpoint(run_dir, model, optimizer, 0)
+        append_row(logs[0], {"step": 0, **evaluate(model, tokenizer, run.test_set, args, device)})
+        save_checkpoint(run_dir, model, run.optimizer, 0)
+    return run
 
-    check_rows = min(args.entropy_check_rows, args.prompts_per_step * args.group_size)
-    want_logprobs = args.check_sampling_logprobs and len(tokenizer) * args.prompts_per_step * args.group_size * args.max_new_tokens < 2**28
-    last_step = args.steps if args.stop_after is None else min(args.steps, args.stop_after)
-    bar = tqdm(range(first_step, last_step + 1), desc=f"{args.objective} seed {args.seed}", dynamic_ncols=True)
-    for step in bar:
-        t0 = time.time()
-        # 1-2. prompts and G samples each
-        idx = prompts_for_step(step, len(train_set), args)
-        rows = train_set.select(idx)
-        batch = generate_group(model, tokenizer, list(rows["question"]), args.group_size, args, device,
-                               want_logprobs=want_logprobs)
-        t1 = time.time()
-        # 3. rewards
-        texts = decode(tokenizer, batch)
-        golds = [gold_answer(a) for a in list(rows["answer"]) for _ in range(args.group_size)]
-        scored = compute_rewards(batch, texts, golds, args, cfg)
-        # 4. advantages (and DAPO's filter)
-        adv, keep = compute_advantages(scored["rewards"], args, cfg)
-        t2 = time.time()
-        # 5. old / reference log-probs, entropy, covariance
-        stats = rollout_statistics(model, ref_model, batch, adv, args, device, check_rows)
-        # 6. the update
-        for group in optimizer.param_groups:
-            group["lr"] = args.lr * min(1.0, step / max(1, args.lr_warmup_steps))
-        skipped = not bool(keep.any())
-        details = KLMaskDetails(cfg, batch["completion_ids"].shape[1], device) if details_path else None
-        loss_metrics = {} if skipped else update_policy(model, optimizer, objective, cfg, batch, stats, adv, keep,
-                                                        args, device, details)
-        # 7. how much did the entropy change, and how much did the derivation predict?
-        predicted, measured, position_corr = (entropy_check(model, batch, stats, args, device, check_rows)
-                                              if not skipped else (0.0, 0.0, float("nan")))
-        t3 = time.time()
 
-        mask = batch["completion_mask"]
-        row = {"step": step, "reward": scored["rewards"].mean().item(), "reward_std": scored["rewards"].std().item(),
-               "accuracy/strict": scored["strict"].mean().item(), "accuracy/lenient": scored["lenient"].mean().item(),
-               "frac_reward_zero_std": 1 - tepo.dynamic_sampling_mask(scored["rewards"], args.group_size).float().mean().item(),
-               "dynamic_sampling/kept_frac": keep.float().mean().item(), "dynamic_sampling/skipped": float(skipped),
-               "completions/mean_length": mask.sum(1).float().mean().item(),
-               "completions/clipped_ratio": batch["truncated"].float().mean().item(),
-               "entropy": stats["entropy_mean"], "cov/logp_adv": stats["cov"],
-               "entropy_change/predicted": predicted, "entropy_change/measured": measured,
-               "entropy_change/position_corr": position_corr, **loss_metrics}
-        if "sampling_logp" in batch:
-            gap = (batch["sampling_logp"] - stats["old_logp"]).abs()
-            row["logprobs/sampling_vs_recomputed_max_abs"] = torch.where(mask.bool(), gap, torch.zeros_like(gap)).max().item()
-        if step % args.eval_every == 0 or step == args.steps:
-            row.update(evaluate(model, tokenizer, test_set, args, device))
-        t4 = time.time()
-        row.update({"timing/generate": t1 - t0, "timing/reward": t2 - t1, "timing/update": t3 - t2,
-                    "timing/eval": t4 - t3, "step_time": t4 - t0,
-                    "perf/tokens_per_second": mask.sum().item() / (t4 - t0), "perf/peak_memory_mb": peak_memory_mb(device)})
-        append_row(metrics_path, row)
-        if details_path:
-            append_row(details_path, details.row(step, batch, scored["rewards"], tokenizer))
-        bar.set_postfix({"reward": f"{row['reward']:.2f}", "H": f"{row['entropy']:.3f}",
-                         "len": f"{row['completions/mean_length']:.1f}",
-                         **({"eval": f"{row['eval/accuracy']:.3f}"} if "eval/accuracy" in row else {})})
-        if step % args.save_every == 0 or step == last_step:
-            save_checkpoint(run_dir, model, optimizer, step)
+def rl_step(run: Run, step: int) -> tuple[dict, dict | None]:
+    """One RL step, the seven steps of the module docstring. Returns its metrics row (and details row)."""
+    args, t0 = run.args, time.time()
+    records = run.train_set.select(prompts_for_step(step, len(run.train_set), args))            # 1. prompts
+    batch = generate_group(run.model, run.tokenizer, list(records["question"]), args.group_size, args,   # 2. samples
+                           run.device, want_logprobs=wants_sampling_check(run))
+    t1 = time.time()
+    golds = [gold_answer(a) for a in records["answer"] for _ in range(args.group_size)]
+    scored = compute_rewards(batch, decode(run.tokenizer, batch), golds, args, run.cfg)         # 3. rewards
+    adv, keep = compute_advantages(scored["rewards"], args, run.cfg)                            # 4. advantages
+    t2 = time.time()
+    for group in run.optimizer.param_groups:   # linear learning-rate warm-up
+        group["lr"] = args.lr * min(1.0, step / max(1, args.lr_warmup_steps))
+    plan = minibatch_plan(keep, args)                  # the rows of each optimizer step (none: all dropped)
+    stats = rollout_statistics(run, batch, adv, plan)                                           # 5. old log-probs
+    details = KLMaskDetails(run.cfg, batch["completion_ids"].shape[1], run.device) if run.details_path else None
+    losses = update_policy(run, batch, stats, adv, plan, details) if plan else {}               # 6. update
+    check = entropy_check(run, batch, stats) if plan else (0.0, 0.0, float("nan"))              # 7. measure
+    t3 = time.time()
+    row = {"step": step, **rollout_metrics(batch, scored, keep, stats, args), **losses,
+           "entropy_change/predicted": check[0], "entropy_change/measured": check[1],
+           "entropy_change/position_corr": check[2],
+           "timing/generate": t1 - t0, "timing/reward": t2 - t1, "timing/update": t3 - t2, "step_time": t3 - t0,
+           "perf/tokens_per_second": batch["completion_mask"].sum().item() / (t3 - t0)}
+    return row, details.row(step, batch, scored["rewards"], run.tokenizer) if details else None
 
-    rows = read_log(metrics_path)
-    if last_step < args.steps:     # interrupted on purpose (--stop-after): no summary yet
-        return {"run_dir": run_dir, "stopped_at": last_step}
-    save_pretrained_atomically(model.cpu(), tokenizer, os.path.join(run_dir, "policy"))
-    model.to(device)
-    return write_summary(run_dir, rows, args, time.time() - t_start)
+
+def wants_sampling_check(run: Run) -> bool:
+    """Keep generate's log-probs for the sampling check, unless stacking its logits is too large."""
+    args = run.args
+    rows = args.prompts_per_step * args.group_size
+    return args.check_sampling_logprobs and rows * args.max_new_tokens * run.model.config.vocab_size * 4 \
+        < SAMPLING_CHECK_MAX_BYTES
+
+
+def rollout_metrics(batch: dict, scored: dict, keep: torch.Tensor, stats: dict, args: Args) -> dict:
+    """What the rollout looked like: rewards, accuracy, lengths, entropy, covariance, precision."""
+    mask, rewards = batch["completion_mask"], scored["rewards"]
+    row = {"reward": rewards.mean().item(), "reward_std": rewards.std().item(),
+           "accuracy/strict": scored["strict"].mean().item(), "accuracy/lenient": scored["lenient"].mean().item(),
+           "frac_reward_zero_std": 1 - tepo.dynamic_sampling_mask(rewards, args.group_size).float().mean().item(),
+           "dynamic_sampling/kept_frac": keep.float().mean().item(),
+           "dynamic_sampling/skipped": float(not keep.any()),
+           "completions/mean_length": mask.sum(1).float().mean().item(),
+           "completions/clipped_ratio": batch["truncated"].float().mean().item(),
+           "entropy": stats["entropy_mean"], "cov/logp_adv": stats["cov"],
+           **{k: v for k, v in stats.items() if k.startswith("precision/")}}
+    if "sampling_logp" in batch:
+        gap = (batch["sampling_logp"] - stats["old_logp"]).abs()
+        row["logprobs/sampling_vs_recomputed_max_abs"] = gap[mask.bool()].max().item()
+    return row
 
 
 def write_summary(run_dir: str, rows: list[dict], args: Args, wall: float) -> dict:
