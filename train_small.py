@@ -128,6 +128,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -353,8 +354,8 @@ VALID: dict[str, tuple] = {
 
 
 def rows_per_minibatch(args: Args) -> int:
-    """Rows of one mini-batch: mini-batches hold whole groups."""
-    return -(-args.prompts_per_step // args.mini_batches) * args.group_size
+    """Rows of one (nominal) mini-batch: mini-batches hold whole groups."""
+    return rows_per_forward(dataclasses.replace(args, micro_batch_size=0))
 
 
 def builtin_task_size(args: Args) -> int:
@@ -654,9 +655,9 @@ def load_task(args: Args):
         else:
             data = datasets.load_dataset(args.dataset, "main" if args.dataset.endswith("gsm8k") else None)
     except Exception as e:  # noqa: BLE001 -- any loading failure is a user-facing one-liner
-        where = (f"{offline_reason} and it is not in the local cache" if offline_reason
-                 else "give a local .jsonl file or dataset directory")
-        fail(f"could not load dataset {args.dataset!r} ({type(e).__name__}: {first_line(e)}); {where}; "
+        why = (f"{offline_reason} and the dataset is not in the local cache" if offline_reason
+               else f"{type(e).__name__}: {first_line(e)}")
+        fail(f"could not load dataset {args.dataset!r}: {why}; give a local .jsonl file or dataset directory, "
              "or run without --dataset for the built-in task")
     if isinstance(data, datasets.Dataset):
         data = datasets.DatasetDict({"train": data})
@@ -869,9 +870,9 @@ def load_policy(path: str, args: Args, device):
         model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=args.trust_remote_code,
                                                      dtype=torch.float32)
     except Exception as e:  # noqa: BLE001 -- any loading failure is a user-facing one-liner
-        where = (f"{offline_reason} and it is not in the local cache" if offline_reason
-                 else "give a Hugging Face id or a local model directory")
-        fail(f"could not load model {path!r} ({type(e).__name__}: {first_line(e)}); {where}; "
+        why = (f"{offline_reason} and the model is not in the local cache" if offline_reason
+               else f"{type(e).__name__}: {first_line(e)}")
+        fail(f"could not load model {path!r}: {why}; give a local model directory, "
              "or run without --model for the built-in tiny model")
     tokenizer.padding_side, tokenizer.truncation_side = "left", "left"   # generation needs left padding
     if tokenizer.pad_token is None:
@@ -1555,11 +1556,15 @@ def train(args: Args, obj_overrides: dict) -> dict:
     args = run.args
     last_step = args.steps if args.stop_after is None else min(args.steps, args.stop_after)
     bar = tqdm(range(run.first_step, last_step + 1), desc=f"{args.objective} seed {args.seed}", dynamic_ncols=True)
+    interrupted, restore_ctrl_c = ctrl_c_finishes_the_step(run.run_dir)
     for step in bar:
         t0 = time.time()
         row, details_row = rl_step(run, step)
-        if step % args.eval_every == 0 or step == args.steps:
+        if step % args.eval_every == 0:
             row.update(evaluate(run.model, run.tokenizer, run.test_set, args, run.device))
+        elif step == args.steps:   # the final evaluation, off the schedule, leaves the RNG as it found it,
+            with torch.random.fork_rng():   # so a run extended later (--resume --steps) equals an uninterrupted one
+                row.update(evaluate(run.model, run.tokenizer, run.test_set, args, run.device))
         row.update({"timing/eval": time.time() - t0 - row["step_time"], "step_time": time.time() - t0,
                     "perf/peak_memory_mb": peak_memory_mb(run.device)})
         append_row(os.path.join(run.run_dir, "metrics.jsonl"), row)
@@ -1567,8 +1572,15 @@ def train(args: Args, obj_overrides: dict) -> dict:
             append_row(run.details_path, details_row)
         bar.set_postfix({"reward": f"{row['reward']:.2f}", "H": f"{row['entropy']:.3f}",
                          **({"eval": f"{row['eval/accuracy']:.3f}"} if "eval/accuracy" in row else {})})
-        if step % args.save_every == 0 or step == last_step:
+        if step % args.save_every == 0 or step == last_step or interrupted():
             save_checkpoint(run.run_dir, run.model, run.optimizer, step)
+        if interrupted():
+            restore_ctrl_c()
+            bar.close()
+            print(f"interrupted at step {step}; resume with: python train_small.py --resume {run.run_dir}",
+                  file=sys.stderr)
+            raise SystemExit(130)
+    restore_ctrl_c()
     if last_step < args.steps:     # interrupted on purpose (--stop-after): no summary yet
         return {"run_dir": run.run_dir, "stopped_at": last_step}
     save_pretrained_atomically(run.model.cpu(), run.tokenizer, os.path.join(run.run_dir, "policy"))
@@ -1581,19 +1593,14 @@ def start_run(args: Args, obj_overrides: dict) -> Run:
     afresh: config.json, empty logs, the starting model's evaluation (step 0) and checkpoint 0."""
     torch.set_num_threads(args.threads)
     resume_dir = args.resume
-    if resume_dir:   # the saved configuration wins; only how-to-run fields come from the command line
-        if not os.path.exists(os.path.join(resume_dir, "config.json")):
-            fail(f"argument --resume: {resume_dir!r} has no config.json; give a run directory of train_small.py")
-        saved = json.load(open(os.path.join(resume_dir, "config.json")))
-        run_only = {k: getattr(args, k) for k in RUN_ONLY_FIELDS}
-        args = Args(**{**saved["args"], **run_only, "out": resume_dir})
-        obj_overrides = saved["objective_overrides"]
+    if resume_dir:   # the saved settings win; run-only fields and --steps come from args (parse_args, compare)
+        saved, checkpoint_step = check_resumable(resume_dir)
+        args, obj_overrides = resume_args(args, obj_overrides, {"steps"}, saved, checkpoint_step)
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
                           else "cpu")
     cfg, builtin = objective_config(args, obj_overrides)
     run_dir = args.out or os.path.join("runs", run_name(args))
-    os.makedirs(run_dir, exist_ok=True)
-    print(f"run directory: {run_dir}", flush=True)
+    print(f"run directory: {run_dir}", flush=True)    # created once everything has loaded
     reset_peak_memory(device)
 
     seed_everything(args.seed)
@@ -1610,8 +1617,8 @@ def start_run(args: Args, obj_overrides: dict) -> Run:
               first_step=1, details_path=os.path.join(run_dir, "details.jsonl") if args.objective == "tepo" else None)
     logs = [p for p in (os.path.join(run_dir, "metrics.jsonl"), run.details_path) if p is not None]
     seed_everything(args.seed)
-    if resume_dir and os.path.exists(os.path.join(run_dir, "checkpoint.pt")):
-        ckpt = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=False)
+    if resume_dir:
+        ckpt = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)
         model.load_state_dict(ckpt["model"])
         run.optimizer.load_state_dict(ckpt["optimizer"])
         set_rng_state(ckpt["rng"])
@@ -1619,10 +1626,11 @@ def start_run(args: Args, obj_overrides: dict) -> Run:
         for path in logs:
             truncate_log(path, run.first_step)
     else:
-        json.dump({"args": dataclasses.asdict(args), "objective_overrides": obj_overrides,
-                   "builtin_overrides": builtin, "objective_config": dataclasses.asdict(cfg),
-                   "start_model": start_model, "needs_ref": ref_model is not None},
-                  open(os.path.join(run_dir, "config.json"), "w"), indent=2)
+        os.makedirs(run_dir, exist_ok=True)
+        config = {"args": dataclasses.asdict(args), "objective_overrides": obj_overrides,
+                  "builtin_overrides": builtin, "objective_config": dataclasses.asdict(cfg),
+                  "start_model": start_model, "needs_ref": ref_model is not None}
+        write_atomically(os.path.join(run_dir, "config.json"), lambda f: f.write(json.dumps(config, indent=2).encode()))
         for path in logs:
             open(path, "w").close()
         append_row(logs[0], {"step": 0, **evaluate(model, tokenizer, run.test_set, args, device)})
@@ -1714,7 +1722,7 @@ def write_summary(run_dir: str, rows: list[dict], args: Args, wall: float) -> di
 
 
 # =====================================================================================================
-# Run safety: resume that cannot destroy, an unreachable hub found in seconds
+# Run safety: resume that cannot destroy, Ctrl-C that keeps the step, an unreachable hub found in seconds
 # =====================================================================================================
 
 def check_resumable(run_dir: str) -> tuple[dict, int]:
@@ -1783,6 +1791,27 @@ def resume_args(args: Args, obj_overrides: dict, given: set[str], saved: dict,
     run_only = {k: getattr(args, k) for k in RUN_ONLY_FIELDS}
     return (dataclasses.replace(saved_args, **{**run_only, "steps": steps, "out": run_dir}),
             dict(saved["objective_overrides"]))
+
+
+def ctrl_c_finishes_the_step(run_dir: str):
+    """Make Ctrl-C (SIGINT) stop the RL loop cleanly. Returns (interrupted, restore): interrupted()
+    says whether Ctrl-C was pressed; the loop then finishes the step, logs and checkpoints it, and
+    exits with status 130. A second Ctrl-C aborts at once (the run resumes from its last checkpoint).
+    restore() puts the previous handler back."""
+    pressed = []
+
+    def handler(signum, frame):
+        if pressed:
+            print(f"aborted; resume from the last checkpoint with: python train_small.py --resume {run_dir}",
+                  file=sys.stderr)
+            raise SystemExit(130)
+        pressed.append(signum)
+
+    try:
+        previous = signal.signal(signal.SIGINT, handler)
+    except ValueError:                 # not the main thread: Ctrl-C keeps its usual meaning
+        return (lambda: False), (lambda: None)
+    return (lambda: bool(pressed)), (lambda: signal.signal(signal.SIGINT, previous))
 
 
 HUB_PROBE_SECONDS = 5
@@ -1941,4 +1970,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:      # Ctrl-C before the RL loop (the loop handles its own)
+        print("train_small.py: interrupted before the first RL step", file=sys.stderr)
+        sys.exit(130)
