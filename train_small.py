@@ -120,6 +120,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import inspect
 import json
@@ -152,7 +153,7 @@ import tepo  # noqa: E402
 @dataclass
 class Args:
     # --- run ---
-    objective: str = "tepo"             # the RL objective; its paper's values are the objective settings' defaults
+    objective: str = "tepo"             # the RL objective; it picks the paper values of the objective settings below
     seed: int = 1                       # seeds python, torch, the task split and generation
     out: str | None = None              # run directory (default: runs/<task>__<objective>__<seed>__<time>)
     device: str = "auto"                # auto: cuda if available, else cpu
@@ -231,6 +232,7 @@ RUN_ONLY_FIELDS = ("resume", "stop_after", "compare", "seeds", "baseline", "benc
                    "cache_dir", "dry_run", "force")
 
 
+@functools.cache      # reading the source is slow, and parse_args runs it for every command line
 def field_comments(cls) -> dict[str, str]:
     """The one-line comment of each dataclass field, read from the source: the --help text."""
     comments = {}
@@ -464,6 +466,9 @@ CLI_HELP = {"norm_constant": "C of seq-mean-token-sum-norm; none = --max-new-tok
                                 "tokens) to the reward"}
 
 
+METAVARS = {"int": "N", "float": "X", "str": "TEXT"}
+
+
 def add_flag(container, name: str, text: str) -> None:
     kind, _ = FIELD_KINDS[name]
     text = text.replace("%", "%%")     # argparse %-formats help texts
@@ -472,7 +477,7 @@ def add_flag(container, name: str, text: str) -> None:
     else:
         choices = VALID.get(name, (None, None, None))[2]
         container.add_argument(flag(name), type=converter(name), choices=choices, help=text,
-                               metavar="{" + ",".join(choices) + "}" if choices else None)
+                               metavar="{" + ",".join(choices) + "}" if choices else METAVARS[kind])
 
 
 def build_parser() -> argparse.ArgumentParser:
