@@ -5,7 +5,8 @@ Read it top to bottom, like a chapter:
   1. Building blocks   masked means, group-relative advantages, importance ratios (token, sequence,
                        K-token block), loss aggregation, KL estimators, log-probs and entropy from
                        logits, the per-token covariance, DAPO's two data-side pieces.
-  2. Configuration     one dataclass with every switch, and the paper defaults of each objective.
+  2. Configuration     one dataclass with every switch, the paper defaults of each objective, and
+                       which switches each objective reads (FIELDS_READ).
   3. Objectives        one function per objective, in historical order, all with the same signature
                            fn(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None,
                               old_entropy=None, num_tokens=None, num_seqs=None) -> (loss, metrics)
@@ -14,9 +15,10 @@ Read it top to bottom, like a chapter:
                        step by step, and the live check used by train_small.py.
 
 Honest labels. PPO-clip, GRPO, DAPO, Dr. GRPO, GSPO, Clip-Cov and KL-Cov follow their papers and the
-verl / TRL implementations. TEPO (arXiv 2510.09369, 2604.12736) and MPO (arXiv 2602.14386) have no
-public code and only their abstracts are public: their objectives here are RECONSTRUCTIONS, and every
-ambiguous choice is a switch in ObjectiveConfig (see ../shared/ALGORITHMS.md sections 1 and 2).
+verl (0.9.1) / TRL (1.16) implementations. TEPO (arXiv 2510.09369, 2604.12736) and MPO (arXiv
+2602.14386) have no public code and only their abstracts are public: their objectives here are
+RECONSTRUCTIONS, and every ambiguous choice is a switch in ObjectiveConfig (tepo_loss and mpo_loss in
+section 3 say what is public and what is ours; so does the README's "Honest labels").
 
 Tensor layout (all objectives):
   B  sequences in the (mini-)batch = prompts x G, groups contiguous (rows g*G .. g*G+G-1 share a prompt)
@@ -74,7 +76,7 @@ def _check_choice(name: str, value, choices) -> None:
 
 # ---- masked reductions ------------------------------------------------------------------------------
 # torch.where, not x * mask: a NaN or inf sitting at a padded position would survive 0 * NaN = NaN
-# and leak into the loss or the logged metrics (ANCHORS.md bug 7).
+# and leak into the loss or the logged metrics (test_tepo.py, property 43).
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     """Sum of x over the positions where mask is 1 (all of them, or along `dim`)."""
@@ -88,7 +90,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     return masked_sum(x, mask, dim) / count.clamp(min=1)
 
 
-# ---- group-relative advantages (ALGORITHMS.md 0.2) ----------------------------------------------------
+# ---- group-relative advantages (GRPO, arXiv 2402.03300; Dr. GRPO, arXiv 2503.20783) ------------------
 
 ADVANTAGE_SCALES = ("group", "batch", "none")
 
@@ -140,8 +142,9 @@ def token_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tens
                     clamp: float = 20.0) -> torch.Tensor:
     """delta_{i,t} = log pi_theta - log pi_old, clamped to [-clamp, clamp], 0 at padding.   [B, T]
 
-    The clamp (verl uses 20) keeps exp(delta) finite when a ratio explodes; inside it the gradient
-    is exactly d logp.
+    The clamp keeps exp(delta) finite when a ratio explodes; inside it the gradient is exactly
+    d logp. verl 0.9.1 clamps at 20 in its `vanilla` loss only: its `gspo` clamps the log-ratio at
+    10 from above, and `clip_cov`, `kl_cov` and `geo_mean` do not clamp.
     """
     delta = (logp - old_logp).clamp(-clamp, clamp)
     return torch.where(mask.bool(), delta, torch.zeros_like(delta))
@@ -196,7 +199,7 @@ def block_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tens
     return delta_blk, n_blk
 
 
-# ---- loss aggregation (ALGORITHMS.md 0.3, verl's names) -------------------------------------------
+# ---- loss aggregation (verl's names) ----------------------------------------------------------------
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
@@ -214,9 +217,9 @@ def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, *, num
                                                                max generation length): no length bias
     B' counts non-empty sequences. Gradient accumulation: pass num_tokens (token-mean) or num_seqs
     (the seq-* modes) counted over ALL micro-batches of one optimizer step, and the sum of the
-    micro-batch losses equals the loss of the whole batch, gradient included (ANCHORS.md bug 5).
-    verl's seq-mean-token-sum-norm divides by C only and gets 1/B from its micro-batch scaling;
-    here it is the paper's form, divided by B * C.
+    micro-batch losses equals the loss of the whole batch, gradient included (test_tepo.py,
+    property 41). seq-mean-token-sum-norm divides by B * C as verl 0.9.1's agg_loss does (verl
+    counts only non-empty sequences in B when it is given no global count; here B is every row).
     """
     _check_choice("aggregation", mode, AGGREGATIONS)
     valid = mask.bool()
@@ -235,7 +238,7 @@ def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, *, num
     return per_seq.sum() / n
 
 
-# ---- KL estimators (Schulman's k1 / k2 / k3; ALGORITHMS.md 0.4) ---------------------------------------
+# ---- KL estimators (Schulman's k1 / k2 / k3, "Approximating KL divergence", 2020) ------------------
 
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3", "k1+", "k3+")
 
@@ -250,7 +253,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
       k3  = exp(-x) + x - 1    unbiased and >= 0 (GRPO's choice). verl clamps -x to [-20, 20] and
                                the result to [-10, 10]; so do we.
       k1+, k3+                 straight-through: the value of k1 / k3 with the gradient of k2
-    The penalty is not masked here: the aggregation masks it, exactly once (ANCHORS.md bug 3).
+    The penalty is not masked here: the aggregation masks it, exactly once (test_tepo.py, property 39).
     """
     _check_choice("kl_estimator", estimator, KL_ESTIMATORS)
     x = logp - ref_logp
@@ -276,7 +279,7 @@ def token_logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor,
 
     The temperature must be the sampling temperature: a sample drawn at temperature 0.7 has its
     probability under softmax(z / 0.7), and a ratio against untempered log-probs is wrong
-    (ANCHORS.md bug 6). logsumexp avoids materialising a second [B, T, V] log-softmax tensor.
+    (test_tepo.py, property 42). logsumexp avoids materialising a second [B, T, V] log-softmax tensor.
     """
     z = _at_least_float32(logits)
     z = z / temperature if temperature != 1.0 else z
@@ -290,7 +293,7 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0,
     """Full-vocabulary entropy H = -sum_v p_v log p_v at every position.        [..., V] -> [...]
 
     This is the entropy of the policy, not the mean -log p of the sampled token (a one-sample
-    estimate of it; ANCHORS.md bug 1). Rows are processed `chunk_size` at a time, so a 150k
+    estimate of it; test_tepo.py, property 37). Rows are processed `chunk_size` at a time, so a 150k
     vocabulary never needs a second full-size float tensor. No gradient: it is a diagnostic.
     """
     flat = logits.reshape(-1, logits.shape[-1])
@@ -303,7 +306,7 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0,
     return out.view(logits.shape[:-1])
 
 
-# ---- the per-token covariance (Cui et al. 2505.22617, section 6.2) ----------------------------------
+# ---- the per-token covariance (Cui et al., arXiv 2505.22617: Clip-Cov and KL-Cov) ------------------
 
 @torch.no_grad()
 def token_covariance(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -377,13 +380,13 @@ class ObjectiveConfig:
     adv_eps: float = 1e-6            # epsilon in the advantage's std division (verl 1e-6, TRL 1e-4)
     dynamic_sampling: bool = False   # DAPO: drop groups whose rewards are all equal
     overlong_penalty: bool = False   # DAPO: add soft_overlong_punishment to the reward
-    # TEPO (reconstruction: ALGORITHMS.md 1.4-1.5)
+    # TEPO (our reconstruction; see tepo_loss and tepo_kl_mask, section 3.7)
     ratio_mode: str = "gspo_token"   # gspo_token (sequence ratio carried to tokens) | gmpo (log-space clip)
     entropy_criterion: str = "cov"   # "decreasing entropy" = cov (Cov_{i,t} > 0) | measured (H < H_old)
     kl_target: str = "old"           # masked KL against the rollout policy (old) or the reference (ref)
     kl_mode: str = "soft"            # soft: + beta * M * D | hard: drop masked tokens with D > kl_tau
     kl_tau: float = 0.0              # threshold of the hard mask
-    # MPO (reconstruction: ALGORITHMS.md 2.2)
+    # MPO (our reconstruction; see mpo_loss, section 3.8)
     block_size: int = 4              # K tokens per action block
     block_ratio: str = "joint"       # joint (product of K ratios) | geomean (their geometric mean)
     block_agg: str = "seq-mean-block-mean"  # seq-mean-block-mean | block-mean | token-weighted
@@ -566,7 +569,7 @@ def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, ep
     Returns (loss, clipped_low, clipped_high). A token is clipped, and gets zero gradient, when its
     ratio has left the band in the direction its advantage pushes: r > 1 + eps_high with A > 0, or
     r < 1 - eps_low with A < 0. At r = 1 nothing is clipped and the gradient is exactly
-    -A * d log pi (d r = r d log pi, r = 1; no factor 2, ANCHORS.md bug 2).
+    -A * d log pi (d r = r d log pi, r = 1; no factor 2: test_tepo.py, property 38).
     Dual-clip: with A < 0 the loss is also capped at -A * c, so an exploded ratio on a
     negative-advantage token cannot blow the loss up.
     """
@@ -594,9 +597,12 @@ def _aggregate(loss_mat, mask, cfg, num_tokens, num_seqs):
                           norm_constant=cfg.norm_constant)
 
 
-def _finish(pg_loss, kl_mat, logp, old_logp, ratio, clipped_low, clipped_high, mask, cfg,
-            num_tokens, num_seqs, ref_logp=None, extra=None):
+def _finish(pg_loss, kl_mat, logp, old_logp, mask, cfg, *, ratio, clipped_low, clipped_high, num_tokens,
+            num_seqs, ref_logp=None, extra=None):
     """Add the KL part (aggregated like the policy-gradient part) and gather the metrics.
+
+    pg_loss is the aggregated policy-gradient loss, kl_mat the per-token KL part [B, T] (None: no
+    KL part); ratio, clipped_low and clipped_high [B, T] are what the objective clipped, per token.
 
     Metrics (floats; token statistics over valid tokens only):
       loss, pg_loss, kl_loss         the loss and its parts (loss = pg_loss + beta * kl_loss)
@@ -604,7 +610,9 @@ def _finish(pg_loss, kl_mat, logp, old_logp, ratio, clipped_low, clipped_high, m
       clip_ratio/high_mean           fraction clipped at 1 + eps_high (A > 0)
       clip_ratio/region_mean         either of the two
       ratio/mean, ratio/min, ratio/max   the importance ratio the objective clips
-      kl_old/k1, kl_old/k3           KL(pi_old || pi_theta) from the rollout's tokens (verl ppo_kl)
+      kl_old/k1, kl_old/k3           KL(pi_old || pi_theta) from the rollout's tokens; k1 is verl's
+                                     ppo_kl while every |log-ratio| <= 20 (verl averages the
+                                     clamped log-ratio, tepo the raw one)
       kl_ref                         k3 KL to the reference, when ref_logp is given
       on_policy                      1.0 when every ratio is exactly 1: clipping, GSPO's clipping,
                                      TEPO's KL mask (target old) and KL-Cov's penalty cannot act
@@ -649,8 +657,9 @@ def ppo_clip_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entro
         r_{i,t} = exp(log pi_theta - log pi_old)
 
     Paper: Schulman et al., arXiv 1707.06347 (the original uses GAE advantages from a critic; here
-    the advantages are whatever you pass, usually group-relative). verl: policy_loss.loss_mode=
-    "vanilla" (clip_ratio_low/high, clip_ratio_c=3). Defaults: PAPER_DEFAULTS["ppo"].
+    the advantages are whatever you pass, usually group-relative). verl 0.9.1: policy_loss.loss_mode=
+    "vanilla" (clip_ratio_low/high; it always dual-clips, clip_ratio_c=3 by default).
+    Defaults: PAPER_DEFAULTS["ppo"].
     Does nothing special when on-policy: every r = 1, no token is clipped, and the gradient is the
     plain policy gradient -A d log pi (aggregated).
     """
@@ -660,8 +669,8 @@ def ppo_clip_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entro
     pg_mat, low, high = clipped_surrogate(ratio, adv, cfg.eps_low, cfg.eps_high, cfg.dual_clip_c)
     kl_mat = _reference_kl(logp, ref_logp, cfg, "ppo")
     pg_loss = _aggregate(pg_mat, mask, cfg, num_tokens, num_seqs)
-    return _finish(pg_loss, kl_mat, logp, old_logp, ratio, low, high, mask, cfg, num_tokens, num_seqs,
-                   ref_logp)
+    return _finish(pg_loss, kl_mat, logp, old_logp, mask, cfg, ratio=ratio, clipped_low=low, clipped_high=high,
+                   num_tokens=num_tokens, num_seqs=num_seqs, ref_logp=ref_logp)
 
 
 # ---- 3.2 GRPO (DeepSeekMath, Shao et al. 2024, arXiv 2402.03300) -----------------------------------
@@ -675,11 +684,12 @@ def grpo_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=N
 
     The per-token computation is exactly ppo_clip_loss; GRPO is a choice of advantages
     (group_advantages, scale="group"), aggregation ("seq-mean-token-mean") and KL (beta=0.04, k3).
-    Paper: arXiv 2402.03300. TRL: GRPOTrainer(loss_type="grpo", beta=0.04). verl:
+    Paper: arXiv 2402.03300. TRL 1.16: GRPOTrainer(loss_type="grpo", beta=0.04). verl 0.9.1:
     algorithm.adv_estimator=grpo, loss_agg_mode=seq-mean-token-mean, use_kl_loss=True,
-    kl_loss_type=low_var_kl. DeepSeekMath made one update per rollout, so r = 1 and the clip never
-    acted (metrics: on_policy = 1); a group whose rewards are all equal has A = 0 and contributes
-    only its KL gradient.
+    kl_loss_type=low_var_kl; verl's `vanilla` loss always dual-clips (c = 3), which tepo's GRPO, DAPO
+    and Dr. GRPO defaults do not (dual_clip_c=3 to match). DeepSeekMath made one update per
+    rollout, so r = 1 and the clip never acted (metrics: on_policy = 1); a group whose rewards are
+    all equal has A = 0 and contributes only its KL gradient.
     """
     return ppo_clip_loss(logp, old_logp, advantages, mask, cfg, ref_logp=ref_logp,
                          num_tokens=num_tokens, num_seqs=num_seqs)
@@ -699,7 +709,7 @@ def dapo_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=N
     the same, so long answers are not down-weighted); dynamic sampling (dynamic_sampling_mask,
     data side); overlong reward shaping (soft_overlong_punishment, data side). No KL (beta = 0).
     The per-token computation is ppo_clip_loss; the config makes it DAPO.
-    Paper: arXiv 2503.14476. TRL: loss_type="dapo", epsilon=0.2, epsilon_high=0.28. verl:
+    Paper: arXiv 2503.14476. TRL 1.16: loss_type="dapo", epsilon=0.2, epsilon_high=0.28. verl 0.9.1:
     clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=token-mean, algorithm.filter_groups.
     On-policy the clip does nothing and DAPO is the token-mean policy gradient.
     """
@@ -719,8 +729,8 @@ def dr_grpo_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entrop
     1/|o_i| is gone (it under-penalises long wrong answers), replaced by a constant L
     (norm_constant; the max generation length); 1/std is gone from the advantage
     (advantage_scale="none"; it up-weights too easy and too hard questions). No KL.
-    Paper: arXiv 2503.20783. TRL: loss_type="dr_grpo", scale_rewards="none". verl:
-    loss_agg_mode=seq-mean-token-sum-norm, norm_adv_by_std_in_grpo=False (verl divides by C only).
+    Paper: arXiv 2503.20783. TRL 1.16: loss_type="dr_grpo", scale_rewards="none". verl 0.9.1:
+    loss_agg_mode=seq-mean-token-sum-norm (it divides by B * C, as here), norm_adv_by_std_in_grpo=False.
     """
     return ppo_clip_loss(logp, old_logp, advantages, mask, cfg, ref_logp=ref_logp,
                          num_tokens=num_tokens, num_seqs=num_seqs)
@@ -740,7 +750,7 @@ def clip_cov_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entro
     High Cov_{i,t} = (log pi - mean)(A - mean) marks the tokens that drive entropy down
     (section 4); freezing a few of them keeps entropy up. The draw uses torch's global RNG:
     seed it for reproducibility.
-    Paper: arXiv 2505.22617. verl: policy_loss.loss_mode="clip_cov", clip_cov_ratio=2e-4,
+    Paper: arXiv 2505.22617. verl 0.9.1: policy_loss.loss_mode="clip_cov", clip_cov_ratio=2e-4,
     clip_cov_lb=1, clip_cov_ub=5; the official scripts set clip_ratio_low = clip_ratio_high = 1.
     Does something even on-policy (selection does not depend on the ratio), but selects nothing
     when no token's covariance falls in (lb, ub). beta > 0 adds a k3 KL to the reference.
@@ -763,8 +773,8 @@ def clip_cov_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entro
     kl_mat = _reference_kl(logp, ref_logp, cfg, "clip_cov")
     extra = {"cov/n_selected": torch.tensor(float(n_clip)), "cov/mean": masked_mean(cov, mask)}
     pg_loss = _aggregate(pg_mat, mask, cfg, num_tokens, num_seqs)
-    return _finish(pg_loss, kl_mat, logp, old_logp, ratio, low, high, mask, cfg, num_tokens, num_seqs,
-                   ref_logp, extra)
+    return _finish(pg_loss, kl_mat, logp, old_logp, mask, cfg, ratio=ratio, clipped_low=low, clipped_high=high,
+                   num_tokens=num_tokens, num_seqs=num_seqs, ref_logp=ref_logp, extra=extra)
 
 
 def kl_cov_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None,
@@ -776,10 +786,10 @@ def kl_cov_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy
 
     Every other token gets the unclipped policy-gradient loss -A r. beta is KL-Cov's coefficient
     (ppo_kl_coef), not a reference KL.
-    Paper: arXiv 2505.22617. verl: policy_loss.loss_mode="kl_cov", kl_cov_ratio (2e-3 for 7B,
+    Paper: arXiv 2505.22617. verl 0.9.1: policy_loss.loss_mode="kl_cov", kl_cov_ratio (2e-3 for 7B,
     2e-4 for 32B), ppo_kl_coef=1.
     Does nothing on-policy: |0| = 0 and torch's d|x|/dx at 0 is 0, so with one update per rollout
-    KL-Cov is the plain unclipped policy gradient (metrics: on_policy = 1; ANCHORS.md bug 8).
+    KL-Cov is the plain unclipped policy gradient (metrics: on_policy = 1; test_tepo.py, property 44).
     """
     logp, old_logp, adv, mask = _prepare(logp, old_logp, advantages, mask, cfg)
     delta = token_log_ratio(logp, old_logp, mask, cfg.log_ratio_clamp)
@@ -799,8 +809,8 @@ def kl_cov_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy
     no_clip = torch.zeros_like(mask)
     extra = {"cov/n_selected": torch.tensor(float(k)), "cov/mean": masked_mean(cov, mask)}
     pg_loss = _aggregate(pg_mat, mask, cfg, num_tokens, num_seqs)
-    return _finish(pg_loss, kl_mat, logp, old_logp, ratio, no_clip, no_clip, mask, cfg, num_tokens,
-                   num_seqs, None, extra)
+    return _finish(pg_loss, kl_mat, logp, old_logp, mask, cfg, ratio=ratio, clipped_low=no_clip,
+                   clipped_high=no_clip, num_tokens=num_tokens, num_seqs=num_seqs, extra=extra)
 
 
 # ---- 3.6 GSPO (Zheng et al. 2025, Qwen team, arXiv 2507.18071) ---------------------------------------
@@ -816,10 +826,11 @@ def gspo_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=N
     a unit (all its tokens get zero gradient), whatever its individual token ratios. Unclipped
     gradient: (1/G) sum_i s_i A_i (1/|o_i|) sum_t d log pi_{i,t}.
     Here the sequence loss is spread over the sequence's tokens so that the `aggregation` switch
-    applies: "seq-mean-token-mean" (the paper, and verl's hard-wired choice) gives exactly the
-    mean over sequences; "token-mean" would weigh sequences by length (TRL warns about this).
-    Paper: arXiv 2507.18071, eps (3e-4, 4e-4), 4 mini-batches per rollout, no KL. TRL:
-    importance_sampling_level="sequence", loss_type="grpo". verl: loss_mode="gspo".
+    applies: "seq-mean-token-mean" (the paper) gives exactly the mean over sequences; "token-mean"
+    would weigh sequences by length (TRL warns about this).
+    Paper: arXiv 2507.18071, eps (3e-4, 4e-4), 4 mini-batches per rollout, no KL. TRL 1.16:
+    importance_sampling_level="sequence", loss_type="grpo". verl 0.9.1: loss_mode="gspo" (it honours
+    loss_agg_mode, default token-mean, and clamps the log-ratio at 10 from above).
     On-policy s_i = 1 and GSPO's gradient equals GRPO's (metrics: on_policy = 1).
     """
     logp, old_logp, adv, mask = _prepare(logp, old_logp, advantages, mask, cfg, ref_logp=ref_logp)
@@ -831,8 +842,8 @@ def gspo_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=N
     kl_mat = _reference_kl(logp, ref_logp, cfg, "gspo")
     as_tokens = lambda x: x.unsqueeze(-1).expand_as(logp)   # noqa: E731  (sequence stat per token)
     pg_loss = _aggregate(pg_mat, mask, cfg, num_tokens, num_seqs)
-    return _finish(pg_loss, kl_mat, logp, old_logp, as_tokens(s), as_tokens(low), as_tokens(high), mask,
-                   cfg, num_tokens, num_seqs, ref_logp)
+    return _finish(pg_loss, kl_mat, logp, old_logp, mask, cfg, ratio=as_tokens(s), clipped_low=as_tokens(low),
+                   clipped_high=as_tokens(high), num_tokens=num_tokens, num_seqs=num_seqs, ref_logp=ref_logp)
 
 
 def _sequence_ratio_per_token(logp, old_logp, mask, clamp):
@@ -850,15 +861,16 @@ def gspo_token_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, ent
         J = E[ (1/G) sum_i (1/|o_i|) sum_t min(w_{i,t} A_{i,t}, clip(w_{i,t}, 1-eps_low, 1+eps_high) A_{i,t}) ]
 
     With A_{i,t} = A_i it equals GSPO in value, clipping decisions and gradient, on- and
-    off-policy. Paper: arXiv 2507.18071 section 4.3. TRL: importance_sampling_level=
-    "sequence_token". verl: loss_mode="gspo" is this form.
+    off-policy. Paper: arXiv 2507.18071 section 4.3. TRL 1.16 has no GSPO-token (its
+    importance_sampling_level is "token" or "sequence"). verl 0.9.1: loss_mode="gspo" is this form.
     """
     logp, old_logp, adv, mask = _prepare(logp, old_logp, advantages, mask, cfg, ref_logp=ref_logp)
     w = _sequence_ratio_per_token(logp, old_logp, mask, cfg.log_ratio_clamp)            # [B, T]
     pg_mat, low, high = clipped_surrogate(w, adv, cfg.eps_low, cfg.eps_high)
     kl_mat = _reference_kl(logp, ref_logp, cfg, "gspo_token")
     pg_loss = _aggregate(pg_mat, mask, cfg, num_tokens, num_seqs)
-    return _finish(pg_loss, kl_mat, logp, old_logp, w, low, high, mask, cfg, num_tokens, num_seqs, ref_logp)
+    return _finish(pg_loss, kl_mat, logp, old_logp, mask, cfg, ratio=w, clipped_low=low, clipped_high=high,
+                   num_tokens=num_tokens, num_seqs=num_seqs, ref_logp=ref_logp)
 
 
 # ---- 3.7 TEPO (Lin et al. 2025/2026, arXiv 2510.09369 v1, 2604.12736 v2, ACL 2026) -- RECONSTRUCTION
@@ -899,10 +911,13 @@ def tepo_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=N
     What is public (arXiv 2510.09369 v1, 2604.12736 v2, ACL 2026): group rewards are linked to
     tokens through the sequence ("Markov") likelihood with token-level aggregation, and a
     token-level KL mask constrains tokens with positive advantage and decreasing entropy. What is
-    ours: everything else (ALGORITHMS.md 1.4-1.9). It is GSPO-token's ratio with DAPO's token-mean,
+    ours: everything else. It is GSPO-token's ratio with DAPO's token-mean,
     plus the masked KL. The switches that cover the ambiguity:
       ratio_mode        gspo_token (above) | gmpo (clip each token's log-ratio in log space,
-                        sign-aware, then take the geometric mean; GMPO / verl "geo_mean")
+                        sign-aware, then take the geometric mean; GMPO / verl "geo_mean"). Its
+                        clip_ratio metrics count only the clips that bind (A > 0 and delta > eps_high,
+                        A < 0 and delta < -eps_low); verl's geo_mean counts every token outside
+                        [-eps_low, eps_high], split by the sign of A.
       entropy_criterion cov | measured                 (see tepo_kl_mask)
       kl_target         old | ref;  kl_estimator abs | k3 | ...;  beta (default 1)
       kl_mode           soft (+ beta M D) | hard (drop the policy gradient of masked tokens whose
@@ -948,8 +963,8 @@ def tepo_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=N
     extra = {"kl_mask/frac": masked_mean(kl_mask.to(logp.dtype), mask),
              "kl_mask/penalty": masked_mean(torch.where(kl_mask, D, zero).detach(), mask)}
     pg_loss = _aggregate(pg_mat, mask, cfg, num_tokens, num_seqs)
-    return _finish(pg_loss, kl_mat, logp, old_logp, w, low, high, mask, cfg, num_tokens, num_seqs,
-                   ref_logp, extra)
+    return _finish(pg_loss, kl_mat, logp, old_logp, mask, cfg, ratio=w, clipped_low=low, clipped_high=high,
+                   num_tokens=num_tokens, num_seqs=num_seqs, ref_logp=ref_logp, extra=extra)
 
 
 # ---- 3.8 MPO (Xu et al. 2026, arXiv 2602.14386) -- RECONSTRUCTION ----------------------------------
@@ -966,9 +981,8 @@ def mpo_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=No
 
     What is public (arXiv 2602.14386): one semantic decision spans several tokens, so MPO treats K
     consecutive tokens as one action and changes only the importance ratio. What is ours: the block
-    construction, the ratio normalisation, the partial last block and the aggregation
-    (ALGORITHMS.md 2.2-2.3). A block is clipped as a unit. Aggregation reads `block_agg`, not
-    `aggregation`, because the unit is a block:
+    construction, the ratio normalisation, the partial last block and the aggregation. A block is
+    clipped as a unit. Aggregation reads `block_agg`, not `aggregation`, because the unit is a block:
       seq-mean-block-mean  mean over a sequence's blocks, then over sequences (GRPO-like; honours num_seqs)
       block-mean           every block in the batch weighs the same (DAPO-like)
       token-weighted       each block's loss given to each of its tokens, then token-mean
@@ -995,8 +1009,9 @@ def mpo_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=No
                                         else "seq-mean-token-mean")
         pg_loss = _aggregate(blk_loss, n_blk > 0, token_cfg, None, num_seqs)
     kl_mat = _reference_kl(logp, ref_logp, cfg, "mpo")       # per token, aggregated like the blocks
-    return _finish(pg_loss, kl_mat, logp, old_logp, per_token(rho), per_token(blk_low),
-                   per_token(blk_high), mask, token_cfg, num_tokens, num_seqs, ref_logp)
+    return _finish(pg_loss, kl_mat, logp, old_logp, mask, token_cfg, ratio=per_token(rho),
+                   clipped_low=per_token(blk_low), clipped_high=per_token(blk_high), num_tokens=num_tokens,
+                   num_seqs=num_seqs, ref_logp=ref_logp)
 
 
 OBJECTIVES = {
@@ -1021,6 +1036,13 @@ OBJECTIVES = {
 # The result (Cui et al. 2505.22617; TEPO's appendix): a natural-policy-gradient step z <- z + eta A
 # changes the entropy by  -eta Cov_{a~p}(log p_a, A_a)  to first order. Confident actions with
 # positive advantage, and rare actions with negative advantage, lower entropy.
+# The steps, in the order of the functions below:
+#   1. the softmax Jacobian d log p_a / d z_b            softmax_log_jacobian
+#   2. the entropy gradient dH/dz                         entropy_grad_wrt_logits
+#   3. the Fisher matrix F = diag(p) - p p^T              fisher_matrix
+#   4. the vanilla policy-gradient step, dJ/dz = F A      policy_gradient_step
+#   5. the natural-gradient step, F^+ F A = A + const     natural_gradient_step
+#   6. the first-order entropy change -Cov(log p, dz)     first_order_entropy_change
 # All functions take z[..., V] and work on any leading batch shape.
 
 def softmax_entropy(z: torch.Tensor) -> torch.Tensor:
@@ -1030,7 +1052,7 @@ def softmax_entropy(z: torch.Tensor) -> torch.Tensor:
 
 
 def softmax_log_jacobian(z: torch.Tensor) -> torch.Tensor:
-    """Step 2: d log p_a / d z_b = 1[a = b] - p_b.                                [..., V] -> [..., V, V]
+    """Step 1: d log p_a / d z_b = 1[a = b] - p_b.                                [..., V] -> [..., V, V]
 
     (Row a, column b.) Equivalently d p_a / d z_b = p_a (1[a = b] - p_b).
     """
@@ -1040,10 +1062,10 @@ def softmax_log_jacobian(z: torch.Tensor) -> torch.Tensor:
 
 
 def entropy_grad_wrt_logits(z: torch.Tensor) -> torch.Tensor:
-    """Steps 1-2: dH/dz_b = -p_b (log p_b - E_p[log p]).                             [..., V] -> [..., V]
+    """Step 2: dH/dz_b = -p_b (log p_b - E_p[log p]).                                [..., V] -> [..., V]
 
-    Step 1: dH/dz_b = -sum_a (dp_a/dz_b)(log p_a + 1) = -sum_a (dp_a/dz_b) log p_a, since the
-    probabilities sum to one (sum_a dp_a/dz_b = 0). Step 2 substitutes dp_a/dz_b.
+    Differentiate H: dH/dz_b = -sum_a (dp_a/dz_b)(log p_a + 1) = -sum_a (dp_a/dz_b) log p_a, since
+    the probabilities sum to one (sum_a dp_a/dz_b = 0). Then substitute step 1's dp_a/dz_b.
     Raising the logit of an action more probable than "average" (log p_b > E log p) lowers entropy.
     """
     logp = torch.log_softmax(z, dim=-1)
@@ -1062,13 +1084,13 @@ def fisher_matrix(z: torch.Tensor) -> torch.Tensor:
 
 
 def policy_gradient_step(z: torch.Tensor, A: torch.Tensor, eta: float) -> torch.Tensor:
-    """Vanilla PG on J = E_p[A]: dJ/dz = p (A - E_p A) = F A, so z <- z + eta p (A - E_p A)."""
+    """Step 4: vanilla PG on J = E_p[A]: dJ/dz = p (A - E_p A) = F A, so z <- z + eta p (A - E_p A)."""
     p = torch.softmax(z, dim=-1)
     return z + eta * p * (A - (p * A).sum(-1, keepdim=True))
 
 
 def natural_gradient_step(z: torch.Tensor, A: torch.Tensor, eta: float) -> torch.Tensor:
-    """Step 3: NPG, z <- z + eta F^+ dJ/dz. Since dJ/dz = F A, F^+ F A = A - c 1, and the step is
+    """Step 5: NPG, z <- z + eta F^+ dJ/dz. Since dJ/dz = F A, F^+ F A = A - c 1, and the step is
     z + eta A up to a constant that does not change p. Computed here with the pseudo-inverse so the
     claim can be checked, not assumed.                                           [..., V] -> [..., V]
     """
@@ -1078,7 +1100,7 @@ def natural_gradient_step(z: torch.Tensor, A: torch.Tensor, eta: float) -> torch
 
 
 def first_order_entropy_change(z: torch.Tensor, delta_z: torch.Tensor) -> torch.Tensor:
-    """Step 4: H(z + dz) - H(z) ~= <dH/dz, dz> = -Cov_{a~p}(log p_a, dz_a).           [..., V] -> [...]
+    """Step 6: H(z + dz) - H(z) ~= <dH/dz, dz> = -Cov_{a~p}(log p_a, dz_a).           [..., V] -> [...]
 
     Exact as a derivative: d/dt H(z + t u) at t = 0 is -Cov(log p, u). With dz = eta A (NPG) this
     is -eta Cov(log p, A); with dz = eta p (A - E_p A) (vanilla PG) it is
@@ -1128,11 +1150,14 @@ if __name__ == "__main__":
     rewards = torch.tensor([1., 0, 0, 1, 1, 1, 0, 1])
     adv = group_advantages(rewards, G)
     mask = torch.ones(B, T)
-    mask[0, 4:] = 0
+    mask[0, 4:] = 0                   # row 0 is 4 tokens long, the others 6
     old_logp = -torch.rand(B, T) * 2
     ref_logp = old_logp + 0.05 * torch.randn(B, T)
     print(f"rewards {rewards.tolist()}\nadvantages {[round(a, 3) for a in adv.tolist()]}\n")
+    print("Each objective with its paper defaults: loss and gradient norm |d loss / d logp| on-policy")
+    print("(logp = old_logp), then loss and fraction of clipped tokens after logp moved by 0.3 * noise.\n")
     print(f"{'objective':<11} {'on-policy loss':>15} {'|grad|':>8} {'off-policy loss':>16} {'clip':>6}")
+    grad_norms = {}
     for name, fn in OBJECTIVES.items():
         cfg = PAPER_DEFAULTS[name]
         row = []
@@ -1141,9 +1166,26 @@ if __name__ == "__main__":
             loss, m = fn(logp, old_logp, adv, mask, cfg, ref_logp=ref_logp)
             loss.backward()
             row.append((loss.item(), logp.grad.norm().item(), m["clip_ratio/region_mean"]))
+        grad_norms[name] = row[0][1]
         print(f"{name:<11} {row[0][0]:>15.4f} {row[0][1]:>8.4f} {row[1][0]:>16.4f} {row[1][2]:>6.2f}")
+    others = [v for k, v in grad_norms.items() if k != "mpo"]
+    print(f"""
+What to notice:
+  - On-policy every ratio is 1 and nothing is clipped: all objectives but MPO have nearly the same
+    gradient norm ({min(others):.2f}-{max(others):.2f}); they differ only in how tokens are weighed (aggregation),
+    and Clip-Cov in the token whose gradient it detaches.
+  - The on-policy loss value is ~0 where every sequence weighs the same (grpo, gspo, gspo_token,
+    mpo): the advantages are centred in each group. Token-mean and Dr. GRPO's token sum weigh the
+    short row 0 less, so their loss is not 0. The gradient is not 0 in either case.
+  - MPO's gradient norm is {grad_norms["mpo"]:.2f}: its joint block ratio is the product of K = 4 token
+    ratios, so each block passes the gradient to all its tokens at full weight, and the loss is
+    normalised by the J = ceil(|o| / K) blocks of a sequence, not its |o| tokens: each token weighs
+    |o| / J = 3-4 times what it weighs in GRPO.
+  - Off-policy the clipped fractions differ: GSPO's tiny band (3e-4, 4e-4) clips most sequences,
+    KL-Cov never clips, and Clip-Cov's band [0, 2] clips few tokens.""")
     z = torch.randn(10, dtype=torch.float64)
     A = torch.log_softmax(z, -1)      # advantage rises with log p: NPG must lower entropy
     eta = 1e-3
     print(f"\nNPG step, A = log p: predicted dH {first_order_entropy_change(z, eta * A).item():.3e}, "
-          f"exact {(softmax_entropy(natural_gradient_step(z, A, eta)) - softmax_entropy(z)).item():.3e}")
+          f"exact {(softmax_entropy(natural_gradient_step(z, A, eta)) - softmax_entropy(z)).item():.3e}\n"
+          "(section 4: to first order a natural-gradient step changes entropy by -eta Cov(log p, A))")

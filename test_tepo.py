@@ -1,9 +1,98 @@
-"""Unit tests for tepo.py.
+"""Unit tests for tepo.py (sections 1-14) and train_small.py / the notebooks (sections 15-16).
 
-Every numbered property of ALGORITHMS.md section 9 (1-36) has at least one test
-here, named after what it proves; the property number is given in each docstring.
-The tests also rule out the bugs of ANCHORS.md section 2, check bad-argument
-errors, padding invariance, gradient-accumulation exactness, NaN-freedom and bf16.
+What the tests prove. Each numbered property below has at least one test, named after what it
+proves; its docstring gives the number. "At ratio 1" means old_logp = logp.detach() (one update
+per rollout); gradients are taken with autograd in float64 w.r.t. logp.
+
+Building blocks (tepo.py section 1)
+  1. Group advantages sum to 0 in each group, have unbiased std ~1, do not change when the rewards
+     are mapped r -> a r + b (a > 0), are exactly 0 for a group of equal rewards, and Dr. GRPO's
+     (no std) equal the normalised ones times the std.
+  2. Aggregation: at equal lengths L, token-mean = seq-mean-token-mean and seq-mean-token-sum =
+     L x token-mean; padded entries never change a value or a gradient (for every objective).
+  3. KL estimators, summed exactly over a categorical: E[k1] = E[k3] = KL(pi || pi_ref); k3 >= 0, and
+     k3 and its gradient are 0 at pi = pi_ref; k1+ / k3+ have k1's / k3's value and k2's gradient.
+PPO-clip, GRPO, DAPO, Dr. GRPO (arXiv 1707.06347, 2402.03300, 2503.14476, 2503.20783)
+  4. At ratio 1 the clipped surrogate's per-token gradient is -A times the aggregation weight, for
+     any clip range.
+  5. A token outside the band in the direction its advantage pushes (A > 0 and r > 1 + eps_high,
+     or A < 0 and r < 1 - eps_low) has zero gradient; with dual-clip, A < 0 and r > c give the loss
+     -A c and zero gradient.
+  6. GRPO at ratio 1 (beta = 0): gradient -(1/G) A_i / |o_i| on every token of sequence i.
+  7. DAPO at ratio 1: gradient -A_i / sum_i |o_i|; equal to GRPO when every length is equal.
+  8. Dr. GRPO at ratio 1: gradient -A~_i / (G L) with L the constant C: no token's weight depends
+     on its sequence's length; seq-mean-token-sum-norm divides the sum by B * C.
+  9. DAPO's soft overlong punishment with L_max = 20480, L_cache = 4096: 0 at 16384, -0.5 at 18432,
+     -1 at 20480 and beyond, never rising with length.
+ 10. Dynamic sampling drops exactly the groups whose rewards are all equal.
+ 11. GRPO's KL term at pi_theta = pi_ref: value 0, gradient 0.
+GSPO, GSPO-token (arXiv 2507.18071)
+ 12. At ratio 1 every s_i = 1 and GSPO's gradient equals GRPO's (property 6).
+ 13. If every token ratio of a sequence is c, then s_i = c whatever its length.
+ 14. GSPO-token with A_{i,t} = A_i equals GSPO in value, gradient and clipping, off-policy too.
+ 15. A sequence is clipped as a unit: s_i > 1 + eps_high with A_i > 0 zeroes the gradient of every
+     one of its tokens, even those whose own ratio is inside the band.
+ 16. The token form logp - sg(logp) + sg(log s_i) with seq-mean-token-mean gives exactly the
+     gradient (1/B) sum_i s_i A_i (1/|o_i|) sum_t d log pi_{i,t} where nothing is clipped.
+TEPO (arXiv 2510.09369; our reconstruction, tepo.py section 3.7)
+ 17. With an empty mask or beta = 0, TEPO is GSPO-token's ratio with token-mean; at ratio 1 its
+     gradient is DAPO's (property 7).
+ 18. Putting s_i itself on every token (gradient through s_i) gives the same value and gradient
+     under token-mean.
+ 19. The KL mask holds only valid tokens with A_i > 0, and is built from detached tensors only.
+ 20. With entropy_criterion="cov" and centred advantages, M_{i,t} = 1 exactly when A_i > 0 and
+     log pi_{i,t} is above the batch mean of log pi.
+ 21. With kl_target="old" (abs or k3) the KL term has value 0 and gradient 0 at ratio 1, so TEPO's
+     gradient is DAPO's; with the hard mask and tau > 0 no token is dropped there.
+ 22. Off-policy with the abs estimator, beta changes the gradient by beta M sign(delta) / N_tokens
+     per masked token and nowhere else.
+ 23. At equal lengths TEPO (empty mask) and GSPO have the same gradient for any ratios; otherwise
+     TEPO weighs sequence i by |o_i| / mean |o| relative to GSPO.
+MPO (arXiv 2602.14386; our reconstruction, tepo.py section 3.8)
+ 24. K = 1 is the token-level clipped surrogate: GRPO with seq-mean-block-mean, DAPO with
+     token-weighted, in value and gradient, on- and off-policy.
+ 25. K >= the longest answer: geomean with seq-mean-block-mean is GSPO exactly; joint is the full
+     product of the token ratios.
+ 26. A response of L tokens has ceil(L / K) blocks, the last of L - (J - 1) K tokens in [1, K], and
+     the block counts add up to L.
+ 27. joint: log rho = sum of the block's deltas, d rho / d logp_t = rho on each of its tokens, and
+     permuting tokens inside a block changes nothing.
+ 28. At ratio 1 with joint and seq-mean-block-mean the gradient is -(1/G) A_i / J_i (about K times
+     GRPO's per-token weight); geomean gives GRPO's exactly when K divides every length.
+ 29. A block outside the band (in the direction of A) has zero gradient on all its tokens and the
+     other blocks are unaffected.
+Entropy mathematics (tepo.py section 4; Cui et al. arXiv 2505.22617)
+ 30. For any logits z and direction u, d/dt H(softmax(z + t u)) at t = 0 is exactly
+     -Cov_{a~p}(log p_a, u_a).
+ 31. The natural-gradient step is z + eta A up to a constant, so its entropy change is
+     -eta Cov(log p, A) to first order.
+ 32. The vanilla policy-gradient step's entropy change is -eta Cov(log p, p (A - E_p A)): the
+     advantage must be centred.
+ 33. A rising with log p lowers entropy under the natural-gradient step; A = -log p raises it.
+Clip-Cov, KL-Cov (Cui et al. arXiv 2505.22617)
+ 34. Clip-Cov zeroes the gradient of exactly min(max(1, int(ratio N)), #candidates) tokens drawn
+     from the valid, not PPO-clipped tokens with lb < Cov < ub, leaves every other token as PPO-clip
+     does, and draws the same tokens under the same seed.
+ 35. KL-Cov at ratio 1 is the unclipped policy gradient -A r; off-policy its top-k tokens by Cov
+     (k = max(1, int(N ratio))) get beta sign(delta) more gradient.
+ 36. At ratio 1 and equal lengths, GRPO, GSPO, GSPO-token, DAPO, TEPO (empty mask) and MPO (K = 1)
+     share the gradient direction, up to known constants.
+Pitfalls small RL projects have shipped, each ruled out by name
+ 37. Entropy is the full-vocabulary entropy -sum_v p_v log p_v, not the sampled token's -log p.
+ 38. At ratio 1 the clipped surrogate's gradient is A d log pi, with no factor 2.
+ 39. The KL term is masked once, and a logged KL averages over valid tokens only, never padding.
+ 40. When the pad id equals the end-of-sequence id, the end token stays in the loss (section 15).
+ 41. Gradient accumulation: micro-batches aggregated with the whole batch's token or sequence
+     count add up to the whole batch's loss and gradient.
+ 42. Log-probs are taken at the sampling temperature, log_softmax(logits / T).
+ 43. NaN or inf at padded positions never reaches the loss, the gradient or a metric.
+ 44. When an objective cannot act (at ratio 1 clipping, GSPO's clip, TEPO's KL to the old policy
+     and KL-Cov's penalty do nothing) the on_policy metric says so.
+Configuration
+ 45. tepo.FIELDS_READ is exact: changing a field an objective does not declare leaves its loss and
+     gradient bit-identical, and every field it declares changes them for some valid value.
+Besides these: one-line ValueErrors naming the bad argument and the valid choices, fully masked
+rows giving finite zeros, bf16 inputs staying close to float64, and finite values at extreme ratios.
 
 Rules followed throughout:
 * float64, gradients by torch.autograd w.r.t. ``logp``;
@@ -22,11 +111,12 @@ Layout (sections with comment headers):
   8. entropy: logits helpers and the entropy mathematics
   9. Clip-Cov / KL-Cov
  10. cross-method sanity
- 11. robustness: padding, empty rows, extreme ratios, bf16, metrics (ANCHORS bugs)
- 12. gradient accumulation
+ 11. robustness: padding, empty rows, extreme ratios, bf16, metrics (properties 39, 43, 44)
+ 12. gradient accumulation (property 41)
  13. bad arguments (ValueError)
- 14. configuration
-(train_small.py tests go in a later section at the end of this file.)
+ 14. configuration (property 45)
+ 15. train_small.py
+ 16. notebooks
 """
 
 import dataclasses
@@ -134,7 +224,7 @@ def ref_group_adv(rewards, G, scale="group", eps=1e-6):
 
 
 def ref_cov(logp, adv, mask):
-    """Per-token covariance of ALGORITHMS 6.2 by a plain loop (means over valid tokens)."""
+    """Per-token covariance (tepo.token_covariance, section 1) by a plain loop (means over valid tokens)."""
     B, T = logp.shape
     A = adv if adv.dim() == 2 else adv[:, None].expand(B, T)
     vt = valid_tokens(mask)
@@ -214,7 +304,8 @@ SWEEP_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" fo
 def test_group_advantages_zero_mean_unit_std_and_match_loop(n_groups, G, seed, identical):
     """Property 1: per group sum(A)=0, unbiased std(A) = s/(s+eps), equals the loop."""
     g = torch.Generator().manual_seed(seed)
-    r = torch.randint(0, 3, (n_groups * G,), generator=g).to(F64) + 0.5 * torch.rand(n_groups * G, generator=g, dtype=F64)
+    n = n_groups * G
+    r = torch.randint(0, 3, (n,), generator=g).to(F64) + 0.5 * torch.rand(n, generator=g, dtype=F64)
     if identical:
         r[:G] = 1.0
     adv = tepo.group_advantages(r, G)
@@ -317,7 +408,7 @@ def test_aggregate_loss_matches_loop_and_skips_empty_sequences(mode):
 
 
 def test_aggregate_loss_seq_mean_token_sum_norm_divides_by_num_seqs_times_constant():
-    """0.3 / property 8: seq-mean-token-sum-norm = sum / (B * C), C = T by default."""
+    """Property 8: seq-mean-token-sum-norm = sum / (B * C), C = T by default."""
     x = make_inputs(B=4, T=6, lengths=[6, 1, 4, 3], seed=2)
     l = torch.randn(4, 6, generator=torch.Generator().manual_seed(3), dtype=F64)
     m = "seq-mean-token-sum-norm"
@@ -474,7 +565,7 @@ def test_dynamic_sampling_removes_identical_float_rewards_with_inexact_std():
 
 
 # =============================================================================
-# 3. PPO-clip (properties 4, 5; ANCHORS bug 2)
+# 3. PPO-clip (properties 4, 5, 38)
 # =============================================================================
 
 @pytest.mark.parametrize("el,eh", [(0.0, 0.0), (0.1, 0.1), (0.2, 0.28), (1.0, 10.0)])
@@ -492,7 +583,7 @@ def test_ppo_gradient_at_ratio_one_is_minus_advantage_over_token_count_for_any_e
 
 
 def test_ppo_on_policy_parameter_gradient_is_exactly_A_grad_logpi_without_factor_two():
-    """ANCHORS bug 2: on-policy, d loss/d logits = -(A/N) (onehot - softmax), no factor 2."""
+    """Property 38: on-policy, d loss/d logits = -(A/N) (onehot - softmax), no factor 2."""
     g = torch.Generator().manual_seed(8)
     B, T, V = 3, 4, 5
     theta = torch.randn(B, T, V, generator=g, dtype=F64, requires_grad=True)
@@ -1011,12 +1102,12 @@ def test_mpo_block_is_clipped_as_a_unit_and_other_blocks_are_unaffected():
 
 
 # =============================================================================
-# 8. Entropy: logits helpers (ANCHORS bugs 1, 6) and mathematics (properties 30-33)
+# 8. Entropy: logits helpers (properties 37, 42) and mathematics (properties 30-33)
 # =============================================================================
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.6])
 def test_entropy_from_logits_is_full_vocabulary_entropy(temperature):
-    """ANCHORS bug 1: entropy is -sum_v p_v log p_v over the whole vocabulary of softmax(z/T),
+    """Property 37: entropy is -sum_v p_v log p_v over the whole vocabulary of softmax(z/T),
     not the sampled token's -log p; computed without grad."""
     g = torch.Generator().manual_seed(30)
     logits = (torch.randn(2, 3, 11, generator=g, dtype=F64) * 3).requires_grad_(True)
@@ -1059,7 +1150,7 @@ def test_entropy_from_logits_chunked_equals_unchunked():
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6, 1.5])
 def test_token_logprobs_from_logits_use_the_sampling_temperature(temperature):
-    """ANCHORS bug 6: log-probs at temperature T are log_softmax(logits / T) gathered."""
+    """Property 42: log-probs at temperature T are log_softmax(logits / T) gathered."""
     g = torch.Generator().manual_seed(32)
     logits = torch.randn(2, 4, 9, generator=g, dtype=F64) * 3
     tokens = torch.randint(0, 9, (2, 4), generator=g)
@@ -1071,7 +1162,7 @@ def test_token_logprobs_from_logits_use_the_sampling_temperature(temperature):
             m = max(zs)
             exp[b, t] = zs[int(tokens[b, t])] - (m + math.log(sum(math.exp(v - m) for v in zs)))
     assert_close(got, exp, atol=2e-6, rtol=1e-6)  # float64 precision: test_logits_helpers_keep_float64
-    if temperature != 1.0:  # untempered log-probs (bug 6) are far off
+    if temperature != 1.0:  # untempered log-probs (property 42) are far off
         assert (tepo.token_logprobs_from_logits(logits, tokens) - exp).abs().max() > 0.1
     lg = logits.clone().requires_grad_(True)
     assert tepo.token_logprobs_from_logits(lg, tokens, temperature=temperature).requires_grad
@@ -1182,8 +1273,8 @@ def test_entropy_change_prediction_is_minus_cov_and_matches_measured_for_small_s
             zt = before[n] / temperature
             p, lp = torch.softmax(zt, -1), torch.log_softmax(zt, -1)
             assert_close(pred[n], -cov_p(p, lp, step * direction[n] / temperature), atol=1e-14)
-            assert_close(meas[n], py_entropy(after[n].tolist(), temperature) - py_entropy(before[n].tolist(), temperature),
-                         atol=1e-13)
+            expected = py_entropy(after[n].tolist(), temperature) - py_entropy(before[n].tolist(), temperature)
+            assert_close(meas[n], expected, atol=1e-13)
         err = float(((pred - meas) / meas).abs().max())
         if prev_err is not None:
             assert err < prev_err / 5
@@ -1355,7 +1446,7 @@ def test_all_group_objectives_share_the_gradient_at_ratio_one_with_equal_lengths
 
 
 # =============================================================================
-# 11. Robustness: padding, empty rows, extreme ratios, bf16, metrics (ANCHORS bugs 3, 7, 8)
+# 11. Robustness: padding, empty rows, extreme ratios, bf16, metrics (properties 39, 43, 44)
 # =============================================================================
 
 @pytest.mark.parametrize("name,ov", SWEEP, ids=SWEEP_IDS)
@@ -1391,7 +1482,7 @@ def test_padding_never_changes_loss_gradient_or_metrics(name, ov, B, T, seed):
 
 @pytest.mark.parametrize("name,ov", SWEEP, ids=SWEEP_IDS)
 def test_nonfinite_values_at_padding_do_not_leak_into_loss_gradient_or_metrics(name, ov):
-    """ANCHORS bug 7: NaN / -inf log-probs at masked positions (e.g. pad tokens) must not
+    """Property 43: NaN / -inf log-probs at masked positions (e.g. pad tokens) must not
     reach the loss, gradients or metrics through multiply-by-mask."""
     x = make_inputs(B=4, T=6, lengths=[6, 3, 0, 4], seed=46, noise=0.3)
     c = cfg(name, **ov)
@@ -1493,7 +1584,7 @@ def test_bf16_inputs_give_finite_loss_close_to_float64(name, ov):
 
 @pytest.mark.parametrize("name,ov", SWEEP, ids=SWEEP_IDS)
 def test_on_policy_metric_is_one_exactly_when_old_logp_equals_logp(name, ov):
-    """ANCHORS bug 8: 'on_policy' = 1.0 when old_logp == logp.detach() on valid tokens
+    """Property 44: 'on_policy' = 1.0 when old_logp == logp.detach() on valid tokens
     (whatever padding holds), 0.0 as soon as one valid token differs."""
     x = make_inputs(B=4, T=5, lengths=[5, 2, 4, 3], seed=52)
     c = cfg(name, **ov)
@@ -1511,14 +1602,14 @@ def test_on_policy_metric_is_one_exactly_when_old_logp_equals_logp(name, ov):
 
 @pytest.mark.parametrize("name,ov", SWEEP, ids=SWEEP_IDS)
 def test_kl_old_metrics_average_valid_tokens_only(name, ov):
-    """ANCHORS bug 3: logged KL to old = mean over valid tokens of k1 / k3 of the log-ratio
+    """Property 39: logged KL to old = mean over valid tokens of k1 / k3 of the log-ratio
     (never averaging padding)."""
     x = make_inputs(B=4, T=6, lengths=[6, 2, 4, 1], seed=53, noise=0.4)
     torch.manual_seed(0)
     _, _, m = run_x(name, x, cfg(name, **ov))
     vt = valid_tokens(x.mask)
     d = [float(x.logp[i, t] - x.old[i, t]) for i, t in vt]
-    # KL(pi_old || pi_theta) from rollout tokens: x = old - logp = -delta (verl ppo_kl = mean(-delta))
+    # KL(pi_old || pi_theta) from rollout tokens: x = old - logp = -delta (verl's ppo_kl: mean of the clamped -delta)
     assert math.isclose(m["kl_old/k1"], -sum(d) / len(d), rel_tol=1e-9)
     assert math.isclose(m["kl_old/k3"], sum(math.exp(v) - v - 1 for v in d) / len(d), rel_tol=1e-9)
 
@@ -1574,11 +1665,12 @@ def test_bool_mask_equals_float_mask(name, ov):
 
 
 # =============================================================================
-# 12. Gradient accumulation exactness (ANCHORS bug 5)
+# 12. Gradient accumulation exactness (property 41)
 # =============================================================================
 
 @pytest.mark.parametrize("mode", MODES)
 def test_aggregate_loss_micro_batches_with_global_counts_sum_to_full_batch(mode):
+    """Property 41: micro-batch losses with the whole batch's counts add up to the whole batch's loss."""
     x = make_inputs(B=8, T=6, lengths=[6, 1, 3, 5, 2, 6, 4, 4], seed=57)
     l = torch.randn(8, 6, generator=torch.Generator().manual_seed(58), dtype=F64)
     full = tepo.aggregate_loss(l, x.mask, mode)
@@ -1607,7 +1699,7 @@ GA_CASES = [
 @settings(max_examples=10, deadline=None)
 @given(split=st.lists(st.integers(1, 7), min_size=1, max_size=3, unique=True), seed=st.integers(0, 10_000))
 def test_micro_batches_with_global_counts_reproduce_full_batch_loss_and_gradient(name, ov, split, seed):
-    """Summing micro-batch losses computed with the global num_tokens / num_seqs equals the
+    """Property 41: summing micro-batch losses computed with the global num_tokens / num_seqs equals the
     full-batch loss, and the concatenated gradients equal the full-batch gradient."""
     x = make_inputs(B=8, T=6, seed=seed, noise=0.2)
     c = cfg(name, **ov)
@@ -1708,7 +1800,7 @@ def test_config_for_unknown_objective_or_field_raises():
 
 
 # =============================================================================
-# 14. Configuration
+# 14. Configuration (property 45)
 # =============================================================================
 
 def test_paper_defaults_cover_every_objective_and_config_for_copies():
@@ -1722,7 +1814,8 @@ def test_paper_defaults_cover_every_objective_and_config_for_copies():
 
 def test_paper_defaults_match_the_papers():
     d = tepo.PAPER_DEFAULTS
-    assert (d["dapo"].eps_low, d["dapo"].eps_high, d["dapo"].aggregation, d["dapo"].beta) == (0.2, 0.28, "token-mean", 0.0)
+    dapo = d["dapo"]
+    assert (dapo.eps_low, dapo.eps_high, dapo.aggregation, dapo.beta) == (0.2, 0.28, "token-mean", 0.0)
     assert d["dapo"].dynamic_sampling and d["dapo"].overlong_penalty
     assert (d["gspo"].eps_low, d["gspo"].eps_high, d["gspo"].beta) == (3e-4, 4e-4, 0.0)
     assert (d["gspo_token"].eps_low, d["gspo_token"].eps_high) == (3e-4, 4e-4)
@@ -1803,7 +1896,8 @@ def test_fields_read_names_real_fields_and_every_objective():
 
 @pytest.mark.parametrize("name", sorted(tepo.OBJECTIVES))
 def test_fields_an_objective_does_not_read_leave_loss_and_gradient_bit_identical(name):
-    """Every field missing from FIELDS_READ[name], and every trainer-side field, changes nothing in the loss."""
+    """Property 45: every field missing from FIELDS_READ[name], and every trainer-side field, changes
+    nothing in the loss: value and gradient stay bit-identical."""
     x = make_inputs(B=8, T=7, seed=11, noise=0.5)
     unread = [f.name for f in dataclasses.fields(tepo.ObjectiveConfig)
               if f.name not in tepo.FIELDS_READ[name] or f.name in tepo.TRAINER_FIELDS]
@@ -1820,7 +1914,8 @@ def test_fields_an_objective_does_not_read_leave_loss_and_gradient_bit_identical
 
 @pytest.mark.parametrize("name", sorted(tepo.OBJECTIVES))
 def test_every_field_an_objective_reads_changes_its_loss_or_gradient(name):
-    """Every loss-side field in FIELDS_READ[name] changes loss or gradient for some valid value and context."""
+    """Property 45: every loss-side field in FIELDS_READ[name] changes loss or gradient for some valid
+    value in some context."""
     x = make_inputs(B=8, T=7, seed=11, noise=0.5)
     for field in set(tepo.FIELDS_READ[name]) - set(tepo.TRAINER_FIELDS):
         results = loss_and_grad_per_value(name, field, x)
@@ -1851,6 +1946,7 @@ def test_every_config_field_has_its_own_comment_without_python_names():
 # 15. train_small.py
 # =============================================================================
 # Fast (CPU, no network), micro configurations only. The micro warm-up is cached once per module.
+import copy  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
@@ -1870,7 +1966,7 @@ MICRO = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--difficulty", "2
          "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "12", "--overlong-cache", "4",
          "--pass-k", "2", "--pass-k-problems", "2", "--entropy-check-rows", "4", "--reward", "lenient",
          "--lr", "1e-3", "--eval-every", "2", "--save-every", "1"]
-TIMING = ("timing/", "perf/", "step_time")
+TIMING = ("timing/", "perf/", "memory/", "step_time")
 
 
 @pytest.fixture(scope="module")
@@ -2104,6 +2200,248 @@ def test_resume_reproduces_the_uninterrupted_run(workdir):
     # details.jsonl (TEPO): truncated on resume like metrics.jsonl, then the same rows, floats exactly
     assert [r["step"] for r in read_details("runs/cut")] == [1, 2, 3, 4]
     assert read_details("runs/cut") == read_details("runs/full")
+
+
+# ---- one GPU by construction: micro-batches, memory, precision, stopping, dropout ----------------
+
+def test_chunked_token_logprobs_equal_tepo_values_and_gradients(monkeypatch):
+    """The memory-bounded log-probs (chunks of positions, softmax recomputed in the backward) give
+    tepo.token_logprobs_from_logits' values and gradient, float64, several chunks, T != 1."""
+    monkeypatch.setattr(ts, "LOGITS_CHUNK_BYTES", 4 * 11 * 5)        # 5 positions of V = 11 per chunk
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(3, 7, 11, dtype=F64)).requires_grad_(True)
+    tokens = torch.randint(11, (3, 7))
+    weights = torch.randn(3, 7, dtype=F64)
+    ours = ts.token_logprobs(logits, tokens, 0.7)
+    (grad_ours,) = torch.autograd.grad((ours * weights).sum(), logits)
+    ref = tepo.token_logprobs_from_logits(logits, tokens, 0.7)
+    (grad_ref,) = torch.autograd.grad((ref * weights).sum(), logits)
+    assert_close(ours, ref, atol=1e-12, rtol=1e-12)
+    assert_close(grad_ours, grad_ref, atol=1e-12, rtol=1e-12)
+    # and by hand: log softmax(z / T) at the token
+    z = logits.detach()[1, 2] / 0.7
+    assert_close(ours[1, 2], z[tokens[1, 2]] - torch.logsumexp(z, 0), atol=1e-12)
+
+
+def hand_batch(vocab: int, rows: int, prompt: int, completion: int, seed: int = 0) -> dict:
+    """A rollout batch made by hand: left-padded prompts and completions of different lengths."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_mask = torch.ones(rows, prompt, dtype=torch.long)
+    completion_mask = torch.ones(rows, completion, dtype=torch.long)
+    for i in range(rows):
+        prompt_mask[i, :i % 3] = 0                                   # left padding
+        completion_mask[i, completion - i % 4:] = 0                  # right padding after the end
+    return dict(prompt_ids=torch.randint(1, vocab, (rows, prompt), generator=g), prompt_mask=prompt_mask,
+                completion_ids=torch.randint(1, vocab, (rows, completion), generator=g),
+                completion_mask=completion_mask)
+
+
+@pytest.mark.parametrize("objective, overrides", [
+    ("grpo", dict(beta=0.04)), ("dapo", {}), ("dr_grpo", {}), ("gspo", dict(eps_low=0.05, eps_high=0.05)),
+    ("gspo_token", {}), ("ppo", dict(dual_clip_c=3.0)), ("mpo", {}),
+    ("tepo", dict(entropy_criterion="measured", eps_low=0.05, eps_high=0.05))])
+def test_micro_batches_accumulate_to_the_same_optimizer_steps(objective, overrides):
+    """Two optimizer steps (mini-batches of 8 rows) with micro-batches of 2 rows equal the steps
+    without micro-batches: parameters to 1e-6 (float64, plain SGD), losses and rollout statistics too.
+    (Clip-Cov, KL-Cov and TEPO's cov criterion select by batch statistics per micro-batch.)"""
+    from transformers import AutoModelForCausalLM, GPT2Config
+    config = GPT2Config(vocab_size=23, n_embd=16, n_layer=1, n_head=2, n_positions=32, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config).double().eval()
+    batch = hand_batch(23, rows=16, prompt=5, completion=6)
+    adv = torch.randn(16, dtype=F64)
+    keep = torch.ones(16, dtype=torch.bool)
+    results = []
+    for micro in (0, 2):
+        model = copy.deepcopy(base)
+        ref = copy.deepcopy(base).requires_grad_(False) if tepo.needs_ref(objective, cfg(objective, **overrides)) \
+            else None
+        args = ts.Args(group_size=4, prompts_per_step=4, mini_batches=2, micro_batch_size=micro, max_new_tokens=6,
+                       entropy_check_rows=4, temperature=0.9)
+        run = micro_run(model, None, args, objective, ref_model=ref, **overrides)
+        run.optimizer = torch.optim.SGD(model.parameters(), lr=0.5)   # unlike Adam, sensitive to the gradient's scale
+        torch.manual_seed(1)
+        plan = ts.minibatch_plan(keep, args)
+        assert [len(mb) for mb in plan] == ([1, 1] if micro == 0 else [4, 4])
+        stats = ts.rollout_statistics(run, batch, adv, plan)
+        metrics = ts.update_policy(run, batch, stats, adv, plan)
+        results.append((torch.cat([p.detach().flatten() for p in model.parameters()]), metrics, stats))
+    (p0, m0, s0), (p2, m2, s2) = results
+    assert_close(p2, p0, atol=1e-6, rtol=0)
+    assert (p2 - torch.cat([p.flatten() for p in base.parameters()])).abs().max() > 1e-4   # it did move
+    assert_close(s2["old_logp"], s0["old_logp"], atol=1e-12)
+    for key in ("loss", "pg_loss", "kl_loss", "ratio/min", "ratio/max", "grad_norm"):
+        assert m2[key] == pytest.approx(m0[key], abs=1e-9), key
+
+
+def test_stopping_on_every_end_token_of_the_model(tmp_path):
+    """A model whose generation config names two end tokens (as Qwen2.5-Instruct: <|im_end|> and
+    <|endoftext|>) stops on both, although its tokenizer names one: a completion ending in the
+    second is masked after it and not counted as truncated."""
+    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
+    tok = ts.build_char_tokenizer(["ab"])
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, eos_token_id=tok.eos_token_id)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config = GenerationConfig(eos_token_id=[im_end, tok.eos_token_id])
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    loaded, tokenizer = ts.load_policy(str(tmp_path), ts.Args(), torch.device("cpu"))
+    assert tokenizer.eos_token_id != im_end
+    assert sorted(ts.eos_ids_of(loaded)) == sorted([im_end, tokenizer.eos_token_id])
+    a = tokenizer.convert_tokens_to_ids("a")
+    ids = torch.tensor([[a, a, im_end, a, a], [a, a, a, a, a]])
+    assert ts.completion_mask(ids, ts.eos_ids_of(loaded)).tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+
+
+def test_dropout_settings_are_off_also_in_train_mode_with_checkpointing(tmp_path):
+    """A config whose attention reads the float `attention_dropout` (Qwen2), set to 0.5: after
+    load_policy the update's first micro-batch is exactly on-policy in train() mode with gradient
+    checkpointing; without switching the float settings off it is not."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+    tok = ts.build_char_tokenizer(["abc 0123456789"])
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, attention_dropout=0.5,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    args = ts.Args(gradient_checkpointing=True, group_size=4, prompts_per_step=2, mini_batches=2, max_new_tokens=6)
+    batch = hand_batch(len(tok), rows=8, prompt=4, completion=6)
+    # control: as loaded by transformers, train() mode applies the dropout: two forwards differ
+    raw = AutoModelForCausalLM.from_pretrained(tmp_path).train()
+    first, second = (ts.completion_logits(raw, batch, torch.arange(8), args) for _ in range(2))
+    assert (first - second).abs().max() > 1e-3
+    model, tokenizer = ts.load_policy(str(tmp_path), args, torch.device("cpu"))
+    assert model.config.attention_dropout == 0.0 and model.is_gradient_checkpointing
+    assert all(v == 0.0 for m in model.modules() for k, v in vars(m).items() if "dropout" in k
+               and isinstance(v, float))
+    run = micro_run(model, tokenizer, args, "grpo", beta=0.0)
+    adv, keep = torch.randn(8), torch.ones(8, dtype=torch.bool)
+    plan = ts.minibatch_plan(keep, args)
+    stats = ts.rollout_statistics(run, batch, adv, plan)
+    metrics = ts.update_policy(run, batch, stats, adv, plan)
+    assert metrics["logprobs/first_minibatch_max_abs_log_ratio"] == 0.0
+
+
+@pytest.mark.parametrize("objective", ["tepo", "grpo", "gspo", "mpo"])
+def test_the_whole_loop_runs_in_bf16_on_the_cpu(objective, workdir):
+    """--precision bf16 (CPU autocast): the loop runs, the first mini-batch is still exactly
+    on-policy (same rows, same forward), and the logged noise floor of bf16 is above 0."""
+    run_main([*MICRO, "--objective", objective, "--steps", "2", "--precision", "bf16", "--out", f"runs/bf16_{objective}"])
+    rows = read_rows(f"runs/bf16_{objective}")[1:]
+    updated = [r for r in rows if not r["dynamic_sampling/skipped"]]    # DAPO's filter may skip a step
+    assert updated and all(math.isfinite(r["loss"]) for r in updated)
+    assert all(r["logprobs/first_minibatch_max_abs_log_ratio"] == 0.0 for r in updated)
+    assert all(r["precision/logp_error_max"] > 1e-4 for r in rows)
+    assert all(r["precision/logp_error_mean"] <= r["precision/logp_error_max"] for r in rows)
+    fp32 = read_rows("runs/full")[1] if os.path.exists("runs/full") else None
+    if fp32 is not None:
+        assert fp32["precision/logp_error_max"] == 0.0
+
+
+def test_dry_run_prints_the_plan_and_creates_nothing(workdir, capsys):
+    run_main([*MICRO, "--dry-run", "--out", "runs/dry"])
+    out = capsys.readouterr().out
+    assert "memory plan" in out and "estimated peak" in out and "logits, one micro-batch" in out
+    assert not os.path.exists("runs/dry")
+
+
+def test_a_run_that_would_not_fit_is_refused_in_one_line(workdir, monkeypatch, capsys):
+    monkeypatch.setattr(ts, "device_memory", lambda device: 2**20)          # a 1 MiB device
+    with pytest.raises(SystemExit) as e:
+        ts.main([*MICRO, "--out", "runs/too_big"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "exceeds" in err[0] and "--force" in err[0]
+    assert not os.path.exists("runs/too_big")
+    args, overrides = ts.parse_args([*MICRO, "--force"])
+    ts.check_memory(args, ts.load_task(args), torch.device("cpu"), False)    # --force: no refusal
+
+
+def test_peak_memory_restarts_with_each_run():
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs Linux /proc")
+    big = torch.ones(64 * 2**20 // 4)                                         # 64 MiB, touched
+    del big
+    before = ts.peak_memory_mb(torch.device("cpu"))
+    ts.reset_peak_memory(torch.device("cpu"))
+    assert ts.peak_memory_mb(torch.device("cpu")) < before - 32
+
+
+# The CPU proof of the memory claims, on the real vocabulary size of Qwen2.5 (151,936) in a 2-layer
+# Qwen2 of width 64 with a local 151,936-token tokenizer. glibc's heap keeps freed blocks below its
+# (adaptive) mmap threshold, so resident memory would count freed tensors: the runs fix the
+# threshold at 1 MiB, which makes resident memory follow the live tensors.
+QWEN_VOCAB = 151_936
+
+
+def make_model_dir(path, vocab_size: int, width: int = 64, layers: int = 2) -> str:
+    """A Qwen2-architecture micro model with a WordLevel tokenizer of vocab_size entries, saved."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+    chars = sorted(set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+-*/=#.,:?! \n"))
+    vocab = {"<|endoftext|>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    vocab.update({f"<t{i}>": i for i in range(len(vocab), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                        unk_token="<unk>", padding_side="left")
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=width, intermediate_size=4 * width,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                         tie_word_embeddings=True, max_position_embeddings=256, bos_token_id=0, eos_token_id=0,
+                         pad_token_id=0)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def qwen_vocab_model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("qwen_vocab")
+    with open(d / "data.jsonl", "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"question": f"Ann has {i} pens and gets {i + 1} more. How many pens now?",
+                                "answer": f"#### {2 * i + 1}"}) + "\n")
+    return make_model_dir(d / "model", QWEN_VOCAB), str(d / "data.jsonl")
+
+
+def measured_run(model_dir: str, data: str, out: str, prompts: int, micro: int, *extra) -> tuple[float, float]:
+    """A 2-step GRPO run in a subprocess: (measured peak minus the memory before the model, in MiB;
+    the printed estimate, in MiB)."""
+    argv = [sys.executable, SCRIPT, "--model", model_dir, "--dataset", data, "--objective", "grpo", "--beta", "0",
+            "--steps", "2", "--prompts-per-step", str(prompts), "--group-size", "4", "--mini-batches", "1",
+            "--micro-batch-size", str(micro), "--max-new-tokens", "24", "--overlong-cache", "4",
+            "--max-prompt-tokens", "16", "--n-test", "4", "--pass-k", "2", "--pass-k-problems", "2",
+            "--eval-every", "100", "--entropy-check-rows", "4", "--no-check-sampling-logprobs", "--threads", "1",
+            "--out", out, *extra]
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_TRIM_THRESHOLD_": "1048576"}
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = read_rows(out)
+    peak = max(row["perf/peak_memory_mb"] for row in rows[1:]) - rows[0]["memory/process_before_model_mb"]
+    estimate = float(re.search(r"estimated peak \(\w+\)\s+([\d.]+) GiB", r.stdout).group(1)) * 1024
+    return peak, estimate
+
+
+def test_memory_plan_is_within_25_percent_of_the_measured_peak(qwen_vocab_model, tmp_path):
+    model_dir, data = qwen_vocab_model
+    for prompts, micro in ((4, 4), (2, 8)):
+        peak, estimate = measured_run(model_dir, data, str(tmp_path / f"p{prompts}m{micro}"), prompts, micro)
+        assert abs(estimate - peak) <= 0.25 * peak, (prompts, micro, peak, estimate)
+
+
+def test_doubling_the_rollout_at_a_fixed_micro_batch_raises_the_peak_less_than_20_percent(qwen_vocab_model,
+                                                                                        tmp_path):
+    model_dir, data = qwen_vocab_model
+    small, _ = measured_run(model_dir, data, str(tmp_path / "small"), 4, 4)
+    large, _ = measured_run(model_dir, data, str(tmp_path / "large"), 8, 4)
+    assert large < 1.2 * small, (small, large)
 
 
 # ---- details.jsonl: TEPO's KL mask per mini-batch -----------------------------------------------
@@ -2642,3 +2980,164 @@ def test_notebook_executes(notebook):
     except CellExecutionError as err:
         message = re.sub(r"\x1b\[[0-9;]*m", "", str(err))                # drop ANSI colours
         pytest.fail(f"{notebook.name}: a cell raised\n{message}", pytrace=False)
+
+
+# =============================================================================
+# 17. TRL engine (tepo_trl.py)
+# =============================================================================
+# Parity: on the micro built-in model, one TRL rollout (TRL's generation, rewards and advantages) is
+# made once per case; TRL's own _compute_loss (loss_type / importance_sampling_level) and
+# TepoGRPOTrainer's (tepo.OBJECTIVES) then each take one SGD step from the same weights on the
+# same completions, as two micro-batches of one accumulated step. Loss, gradients and parameters
+# after the step must agree to 1e-5. The batch is made off-policy (old and reference log-probs
+# moved by seeded noise) so that clipping and the KL term act.
+# Documented differences, set to agree here: TRL's advantage epsilon is 1e-4 (tepo's adv_eps is set
+# to it in the advantage check); TRL 1.16 multiplies the KL term by the ratio by default
+# (use_bias_correction_kl), which tepo's GRPO does not: off in both (tepo_trl.grpo_config does this).
+import copy  # noqa: E402
+import dataclasses  # noqa: E402
+
+TRL_PARITY = {   # case: (tepo objective, its config overrides, TRL's own loss settings)
+    "dapo": ("dapo", {}, dict(loss_type="dapo")),
+    "grpo_beta0": ("grpo", {"beta": 0.0}, dict(loss_type="grpo")),
+    "grpo_beta0.04": ("grpo", {}, dict(loss_type="grpo")),
+    "dr_grpo": ("dr_grpo", {}, dict(loss_type="dr_grpo")),
+    "gspo": ("gspo", {}, dict(loss_type="grpo", importance_sampling_level="sequence")),
+}
+
+
+def reward_by_length(completions, **_):
+    """A reward that differs within groups even for an untrained model: the length mod 3."""
+    return [float(len(c) % 3) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def trl_model(workdir):
+    """The micro built-in model directory (warmed up and cached like section 15's runs)."""
+    pytest.importorskip("trl")
+    args, _ = ts.parse_args(MICRO)
+    return ts.prepare_start_model(args, ts.load_task(args), torch.device("cpu"))
+
+
+def parity_trainer(model_dir, objective, cfg, trl_loss, out):
+    import datasets
+    import tepo_trl
+    config = tepo_trl.grpo_config(
+        objective, cfg, output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        num_generations=4, max_completion_length=12, temperature=1.0, top_k=0, top_p=1.0, seed=0, use_cpu=True,
+        bf16=False, report_to="none", save_strategy="no", activation_checkpointing=False, disable_dropout=True,
+        **trl_loss)
+    prompts = datasets.Dataset.from_dict({"prompt": ["Ann has 2 eggs and gets 1 more. How many eggs now?\n",
+                                                     "Bob has 2 bags of 2 pens. How many pens in all?\n"]})
+    return tepo_trl.TepoGRPOTrainer(model=model_dir, reward_funcs=reward_by_length, args=config,
+                                    train_dataset=prompts, objective=objective, objective_config=cfg)
+
+
+def one_accumulated_step(trainer, compute_loss, micro_batches):
+    """Sum of the micro-batch losses, backward, one SGD step on a copy: (loss, grads, params).
+    SGD, not Adam: Adam's first step is lr * g / (|g| + 1e-8), which turns float32 rounding on a
+    gradient of size 1e-8 into a difference of size lr; SGD's update shows the gradient itself."""
+    model = copy.deepcopy(trainer.model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    total = 0.0
+    for batch in micro_batches:
+        loss = compute_loss(trainer, model, batch)
+        loss.backward()
+        total += loss.item()
+    grads = [p.grad.clone() for p in model.parameters()]
+    optimizer.step()
+    return total, grads, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("case", list(TRL_PARITY))
+def test_trl_parity_one_step(case, trl_model, tmp_path):
+    from trl import GRPOTrainer
+    from trl.trainer.utils import split_tensor_dict
+    objective, overrides, trl_loss = TRL_PARITY[case]
+    cfg = tepo.config_for(objective, **overrides)
+    trainer = parity_trainer(trl_model, objective, cfg, trl_loss, str(tmp_path))
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2          # as Trainer's loop sets it
+    torch.manual_seed(0)
+    rows = [{"prompt": p} for p in trainer.train_dataset["prompt"] for _ in range(4)]   # 2 groups of G = 4
+    inputs = trainer._generate_and_score_completions(rows)
+    # TRL's advantages are tepo's group_advantages with TRL's epsilon 1e-4
+    rewards = torch.tensor(list(trainer._logs["rewards"]["reward_by_length"])[-8:])
+    assert rewards.std() > 0
+    expected = tepo.group_advantages(rewards, 4, cfg.advantage_scale, eps=1e-4)
+    torch.testing.assert_close(inputs["advantages"].float(), expected.float(), atol=1e-6, rtol=1e-6)
+    # off-policy old and reference log-probs (seeded), so that clipping and the KL term act
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        logp, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attn, ids.shape[1] -
+                                                                inputs["prompt_ids"].shape[1])
+    noise = torch.Generator().manual_seed(1)
+    inputs["old_per_token_logps"] = logp + 0.3 * torch.randn(logp.shape, generator=noise)
+    if cfg.beta > 0:
+        inputs["ref_per_token_logps"] = logp + 0.3 * torch.randn(logp.shape, generator=noise)
+    micro_batches = split_tensor_dict(inputs, 2)
+    theirs = one_accumulated_step(trainer, GRPOTrainer._compute_loss, micro_batches)
+    ours = one_accumulated_step(trainer, type(trainer)._compute_loss, micro_batches)
+    assert ours[0] == pytest.approx(theirs[0], abs=1e-5)
+    for name, a, b in (("gradient", ours[1], theirs[1]), ("parameter", ours[2], theirs[2])):
+        assert max((x - y).abs().max().item() for x, y in zip(a, b)) < 1e-5, name
+    assert max(g.abs().max().item() for g in ours[1]) > 1e-3                 # a real update, not zero
+    logged = trainer._metrics["train"]
+    assert 0 < logged["clip_ratio/region_mean"][-1] < 1                      # the clip acted on some tokens
+    if cfg.beta > 0:
+        assert logged["kl"][-1] > 0                                          # tepo's kl_ref under TRL's name
+
+
+# The objectives TRL does not have run end to end through `train_small.py --engine trl`: two RL
+# steps, two epochs per rollout (the second pass is off-policy, so masks and penalties can act),
+# finite losses, and each objective's own metric in metrics.jsonl next to TRL's.
+# tepo_measured needs the rollout entropy that TepoGRPOTrainer adds to TRL's batch (tepo raises without it).
+TRL_OWN_METRIC = {"tepo": "kl_mask/frac", "tepo_measured": "kl_mask/penalty", "mpo": "ratio/max",
+                  "clip_cov": "cov/n_selected", "kl_cov": "cov/n_selected"}
+
+
+@pytest.mark.parametrize("case", list(TRL_OWN_METRIC))
+def test_trl_engine_two_steps(case, trl_model):
+    objective = case.removesuffix("_measured")
+    extra = ["--entropy-criterion", "measured"] if case.endswith("_measured") else []   # rollout entropy
+    out = f"runs/trl_{case}"
+    run_main([*MICRO, "--engine", "trl", "--objective", objective, *extra, "--steps", "2", "--epochs", "2",
+              "--save-every", "100", "--out", out])
+    rows = read_rows(out)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[-1]
+    for row in rows[1:]:
+        assert math.isfinite(row["loss"]) and math.isfinite(row["pg_loss"])
+        assert math.isfinite(row[TRL_OWN_METRIC[case]])
+        assert 0 <= row["accuracy/lenient"] <= 1 and "reward" in row and "entropy" in row
+        assert 0 < row["on_policy"] < 1          # epoch 1's first mini-batch is on-policy, later ones not
+    config = json.load(open(os.path.join(out, "config.json")))
+    overrides = {"entropy_criterion": "measured"} if extra else {}
+    assert config["engine"] == "trl"
+    assert config["objective_config"] == dataclasses.asdict(tepo.config_for(objective, **overrides))
+    assert os.path.exists(os.path.join(out, "policy", "config.json"))
+
+
+def test_trl_engine_bad_split_is_one_line(trl_model, capsys):
+    """A rollout of 2 x 4 completions cannot make 3 mini-batches: exit 2, one line, nothing written."""
+    with pytest.raises(SystemExit) as exc:
+        ts.main([*MICRO, "--engine", "trl", "--mini-batches", "3", "--out", "runs/trl_bad"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--mini-batches=3" in err and "divisor" in err
+    assert not os.path.exists("runs/trl_bad")
+
+
+@pytest.mark.parametrize("setting, message", [
+    (dict(beta=0.0), "beta=0.0"),                       # grpo's beta 0.04 needs TRL's reference log-probs
+    (dict(beta=0.04, entropy_coef=0.1), "entropy_coef=0.1"),   # a TRL loss switch tepo's loss would ignore
+])
+def test_trl_trainer_refuses_settings_it_would_ignore(setting, message, tmp_path):
+    pytest.importorskip("trl")
+    import tepo_trl
+    from trl import GRPOConfig
+    config = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", use_bias_correction_kl=False,
+                        **setting)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tepo_trl.TepoGRPOTrainer(model="unused", reward_funcs=[], args=config, objective="grpo")

@@ -13,19 +13,26 @@ with verifiable rewards is known for: sharpening behaviours the starting model a
 The same code path takes a real model and data set: `--model Qwen/Qwen2.5-0.5B-Instruct
 --dataset openai/gsm8k` (the Hugging Face hub must be reachable, or pass local paths).
 
-The loop, one function per step:
-  1. sample prompts              a fixed, seeded order over the training split        (prompts_for_step)
-  2. generate G completions      model.generate with a KV cache, at temperature T     (generate_group)
-  3. score them                  strict `#### n` / lenient last-number parsing        (score_completions)
-  4. advantages                  tepo.group_advantages; DAPO's filter and length cost (compute_advantages)
-  5. old log-probs               recomputed with the update's own forward, no grad    (rollout_statistics)
-  6. update                      several mini-batches per rollout, tepo.OBJECTIVES    (update_policy)
-  7. measure                     entropy change predicted vs measured, eval, logging  (entropy_check, evaluate)
+The loop (rl_step), one function per step:
+  1. sample prompts          a fixed, seeded order over the training split             (prompts_for_step)
+  2. generate G completions  model.generate with a KV cache, at temperature T          (generate_group)
+  3. score them              strict `#### n` / lenient last-number parsing             (compute_rewards)
+  4. advantages              tepo.group_advantages; DAPO's filter and length cost      (compute_advantages)
+  5. old log-probs           before any update, with the update's own micro-batches    (rollout_statistics)
+  6. update                  one optimizer step per mini-batch, tepo.OBJECTIVES        (update_policy)
+  7. measure                 entropy change predicted vs measured                      (entropy_check)
+then, around it (train): held-out evaluation every --eval-every steps, one metrics row per step
+(flushed), a checkpoint every --save-every steps. The metrics are defined in the README ("Logged
+metrics"); details.jsonl (TEPO's KL mask) in KLMaskDetails.
+
+Memory (one GPU): every forward and backward sees at most --micro-batch-size rows, and the gradient
+of a mini-batch is accumulated over its micro-batches exactly; log-probs and entropy go through the
+logits in 16 MiB chunks. A memory plan by part is printed before anything large is loaded
+(`--dry-run` prints it and exits). --precision fp32 (default) or bf16 (autocast; its log-prob noise
+is logged as precision/logp_error_*, and is larger than GSPO's and TEPO's clip band).
 
 Simplifications, said plainly:
-  - One process, one device, no vLLM, no gradient accumulation across micro-batches: each
-    mini-batch is one optimizer step (num_tokens / num_seqs are that mini-batch's counts).
-    Mini-batches hold whole groups (see update_policy for why).
+  - One process, one device, no vLLM. Mini-batches hold whole groups (see minibatch_plan for why).
   - DAPO's dynamic sampling drops zero-std groups but does NOT sample more prompts to refill the
     batch: the step trains on fewer groups, and a step whose groups are all dropped makes no update
     (logged as `dynamic_sampling/skipped` = 1).
@@ -35,74 +42,6 @@ Simplifications, said plainly:
   - With `--sft-noise 0` the warm-up model reads every problem right, and RL has little to add on
     this task (measured, 3 seeds: +2.6 points greedy for TEPO, +2.9 for GRPO over 200 steps):
     more supervised steps would then raise accuracy more cheaply than RL does.
-
-Logged metrics (metrics.jsonl, one JSON row per RL step; names follow TRL / verl where they exist):
-  step                          RL step (one rollout = one step; several optimizer steps per step)
-  reward, reward_std            mean and std of the rewards of the rollout (task reward + length cost)
-  accuracy/strict               fraction of completions ending in exactly `#### <right number>`
-  accuracy/lenient              fraction whose last number is the right one
-  frac_reward_zero_std          fraction of groups whose G rewards are all equal (no learning signal)
-  dynamic_sampling/kept_frac    fraction of rows kept by DAPO's filter (1 when the filter is off)
-  dynamic_sampling/skipped      1 when every group was dropped and no update was made
-  completions/mean_length       mean completion length in tokens, end token included
-  completions/clipped_ratio     fraction of completions cut at max_new_tokens without an end token
-  entropy                       full-vocabulary entropy of the rollout policy, token-weighted mean
-                                over completion tokens (not the mean -log p of sampled tokens)
-  cov/logp_adv                  Cov(log pi, A) over completion tokens (tepo.token_covariance mean):
-                                positive values drive entropy down
-  entropy_change/predicted      first-order prediction -Cov_p(log p, z_after - z_before) of the
-                                entropy change caused by this step's updates (mean over positions)
-  entropy_change/measured       H(after) - H(before) at the same positions
-  entropy_change/position_corr  correlation of predicted and measured changes across this step's positions
-  loss, pg_loss, kl_loss        the objective's loss and parts, mean over the step's mini-batches
-  clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean
-                                fraction of tokens clipped below / above / either (mean over mini-batches)
-  ratio/mean, ratio/min, ratio/max    importance ratio the objective clips (min and max over mini-batches)
-  kl_old/k1, kl_old/k3          KL(pi_old || pi_theta) estimated on the rollout tokens (verl ppo_kl)
-  kl_ref                        k3 KL to the reference model (only when one is loaded)
-  kl_mask/frac, kl_mask/penalty TEPO: fraction of tokens under the KL mask, mean masked penalty
-  on_policy                     fraction of mini-batches whose ratios were all exactly 1
-  logprobs/first_minibatch_max_abs_log_ratio   max |log pi - log pi_old| on the first mini-batch,
-                                before any optimizer step: must be ~0 (exactly 0 on CPU)
-  logprobs/sampling_vs_recomputed_max_abs      max |log-prob seen by generate - recomputed old
-                                log-prob| (only when --check-sampling-logprobs): ~1e-6 when
-                                positions, padding and temperature are right
-  grad_norm                     gradient norm before clipping, mean over mini-batches
-  timing/generate, timing/reward, timing/update, step_time     seconds per phase and per step
-  perf/tokens_per_second        completion tokens generated / step_time
-  perf/peak_memory_mb           peak GPU memory (CUDA) or peak resident memory of the process (CPU)
-  eval/accuracy                 held-out accuracy, greedy decoding, strict parsing (every --eval-every)
-  eval/accuracy_lenient         same, lenient parsing
-  eval/pass@k                   fraction of held-out problems with at least one of k samples right
-  eval/mean@k                   accuracy of single samples at the sampling temperature (mean over
-                                the k samples): the quantity RL optimises directly
-
-details.jsonl (TEPO only: --objective tepo, even with --beta 0, where the mask is computed but has
-no effect; one JSON row per RL step, truncated on --resume like metrics.jsonl). Where TEPO's KL
-mask (tepo.tepo_kl_mask) falls, under the configured entropy criterion and under both criteria
-side by side; logging only (detached tensors: metrics.jsonl is bit-identical without it):
-  step                          RL step, as in metrics.jsonl
-  kl_mask_frac_by_minibatch     one value per optimizer step, in order (epochs x mini_batches, fewer
-                                when DAPO's filter left fewer groups; empty on a skipped step):
-                                masked / valid completion tokens under the configured criterion;
-                                its mean is metrics.jsonl's kl_mask/frac
-  kl_mask_frac_cov_by_minibatch, kl_mask_frac_measured_by_minibatch
-                                the same with entropy_criterion cov / measured. measured is 0 on a
-                                step's first mini-batch (CPU; ~0 under CUDA's bf16): nothing has
-                                moved since the rollout
-  kl_mask_position_counts       [T] masked tokens (configured criterion) at each completion position,
-                                summed over the step's mini-batches (T = padded completion width)
-  valid_position_counts         [T] valid tokens at each position, summed the same way (a token is
-                                counted once per epoch): divide to get the masked fraction by position
-  sample                        one completion of the last mini-batch: its first row in rollout order
-                                with A > 0 (its first row if none); null on a skipped step. Fields:
-                                prompt (text), tokens (each valid token decoded, end token included),
-                                reward, advantage, and per valid token, at the last mini-batch:
-                                kl_mask, kl_mask_cov, kl_mask_measured (0/1), entropy (rollout),
-                                entropy_after (at that mini-batch's forward), cov (token_covariance
-                                of the ROLLOUT log-probs over the mini-batch; the cov criterion uses
-                                the current ones, so off-policy a sign can differ), log_ratio
-                                (log pi - log pi_old); floats rounded to 4, 5 and 6 decimals
 
 Usage:
   python train_small.py                                   # built-in task and model, TEPO, seed 1
@@ -660,10 +599,8 @@ def load_task(args: Args):
         else:
             data = datasets.load_dataset(args.dataset, "main" if args.dataset.endswith("gsm8k") else None)
     except Exception as e:  # noqa: BLE001 -- any loading failure is a user-facing one-liner
-        why = (f"{offline_reason} and the dataset is not in the local cache" if offline_reason
-               else f"{type(e).__name__}: {first_line(e)}")
-        fail(f"could not load dataset {args.dataset!r}: {why}; give a local .jsonl file or dataset directory, "
-             "or run without --dataset for the built-in task")
+        cannot_load("dataset", args.dataset, e, offline_reason,
+                    "give a local .jsonl file or dataset directory, or run without --dataset for the built-in task")
     if isinstance(data, datasets.Dataset):
         data = datasets.DatasetDict({"train": data})
     if not {"question", "answer"} <= set(data["train"].column_names):
@@ -769,21 +706,31 @@ def build_char_tokenizer(texts):
                                    padding_side="left", clean_up_tokenization_spaces=False)
 
 
-def build_tiny_model(args: Args, tokenizer):
-    """A small causal LM from a transformers config, dropout off (ratios must be 1 on-policy)."""
-    from transformers import AutoModelForCausalLM, GPT2Config, Qwen2Config
+def tiny_model_config(args: Args, tokenizer):
+    """The built-in model's transformers config: GPT-2 or Qwen2 of the --n-layer/--n-embd/--n-head size."""
+    from transformers import GPT2Config, Qwen2Config
     eos = tokenizer.eos_token_id
     common = dict(vocab_size=len(tokenizer), bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
     if args.arch == "gpt2":
-        config = GPT2Config(n_positions=args.max_prompt_tokens + args.max_new_tokens + 8, n_embd=args.n_embd,
-                            n_layer=args.n_layer, n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
-                            attn_pdrop=0.0, **common)
-    else:
-        config = Qwen2Config(hidden_size=args.n_embd, intermediate_size=4 * args.n_embd,
-                             num_hidden_layers=args.n_layer, num_attention_heads=args.n_head,
-                             num_key_value_heads=args.n_head, tie_word_embeddings=True,
-                             max_position_embeddings=args.max_prompt_tokens + args.max_new_tokens + 8, **common)
-    return AutoModelForCausalLM.from_config(config)
+        return GPT2Config(n_positions=args.max_prompt_tokens + args.max_new_tokens + 8, n_embd=args.n_embd,
+                          n_layer=args.n_layer, n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
+                          attn_pdrop=0.0, **common)
+    return Qwen2Config(hidden_size=args.n_embd, intermediate_size=4 * args.n_embd,
+                       num_hidden_layers=args.n_layer, num_attention_heads=args.n_head,
+                       num_key_value_heads=args.n_head, tie_word_embeddings=True,
+                       max_position_embeddings=args.max_prompt_tokens + args.max_new_tokens + 8, **common)
+
+
+def build_tiny_model(args: Args, tokenizer):
+    """A small causal LM from a transformers config, dropout off (ratios must be 1 on-policy)."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_config(tiny_model_config(args, tokenizer))
+
+
+def builtin_tokenizer(task):
+    """The built-in task's character tokenizer (the characters of its texts)."""
+    return build_char_tokenizer(list(task["train"]["question"]) + list(task["train"]["answer"])
+                                + list(task["test"]["question"]))
 
 
 def warmup_cache_dir(args: Args) -> str:
@@ -855,8 +802,7 @@ def prepare_start_model(args: Args, task, device) -> str:
         print(f"warm-up model: {cache} (cached)")
         return cache
     print(f"warm-up model: {args.warmup_steps} supervised steps, then cached in {cache}")
-    texts = list(task["train"]["question"]) + list(task["train"]["answer"]) + list(task["test"]["question"])
-    tokenizer = build_char_tokenizer(texts)
+    tokenizer = builtin_tokenizer(task)
     torch.manual_seed(args.seed)
     model = build_tiny_model(args, tokenizer).to(device)
     if args.warmup_steps > 0:
@@ -875,10 +821,8 @@ def load_policy(path: str, args: Args, device):
         model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=args.trust_remote_code,
                                                      dtype=torch.float32)
     except Exception as e:  # noqa: BLE001 -- any loading failure is a user-facing one-liner
-        why = (f"{offline_reason} and the model is not in the local cache" if offline_reason
-               else f"{type(e).__name__}: {first_line(e)}")
-        fail(f"could not load model {path!r}: {why}; give a local model directory, "
-             "or run without --model for the built-in tiny model")
+        cannot_load("model", path, e, offline_reason,
+                    "give a local model directory, or run without --model for the built-in tiny model")
     tokenizer.padding_side, tokenizer.truncation_side = "left", "left"   # generation needs left padding
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -916,6 +860,116 @@ def switch_off_dropout(model) -> None:
         for key, value in list(vars(module).items()):
             if "dropout" in key and isinstance(value, float):
                 setattr(module, key, 0.0)
+
+
+# =====================================================================================================
+# 2b. Memory: the plan printed before a run
+# =====================================================================================================
+# An estimate, by part, of the peak memory of a run, made from the model's config before any weight
+# is loaded. The parts that do not depend on the rollout size are the model's: weights, gradients
+# and Adam's two moments in float32 (16 bytes per parameter), and a float32 reference model when the
+# objective needs one. The rest is per forward pass (--micro-batch-size rows): the activations kept
+# for the backward, and the logits [b, T, V], which dominate with a large vocabulary (151,936 for
+# Qwen2.5: 0.6 MB per position in float32). Generation's KV cache grows with the rollout. On the CPU
+# the plan counts what the run adds to the process, not the ~0.5 GB that torch and transformers take.
+
+def model_config_for_plan(args: Args, task):
+    """The config of the model the run will train (built-in: made here, nothing is trained yet)."""
+    from transformers import AutoConfig
+    if args.model is None:
+        return tiny_model_config(args, builtin_tokenizer(task if task is not None else load_task(args)))
+    offline_reason = None if os.path.exists(args.model) else use_offline_hub_if_unreachable()
+    try:
+        return AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    except Exception as e:  # noqa: BLE001 -- any loading failure is a user-facing one-liner
+        cannot_load("the config of model", args.model, e, offline_reason,
+                    "give a local model directory, or run without --model for the built-in tiny model")
+
+
+def memory_plan(args: Args, config, needs_ref: bool) -> dict:
+    """Estimated bytes by part, and the peak: the model's parts plus the larger of the two phases
+    (generation, update), which never overlap."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):                            # shapes only: no memory, no weights
+        meta_model = AutoModelForCausalLM.from_config(config)
+    n_params = sum(p.numel() for p in meta_model.parameters())
+    H, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    heads = config.num_attention_heads
+    kv_dim = getattr(config, "num_key_value_heads", None) or heads
+    kv_dim = kv_dim * H // heads
+    inner = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * H
+    b = rows_per_forward(args)                            # rows per forward and backward
+    rollout = args.prompts_per_step * args.group_size     # rows generated at once (evaluation too)
+    S = args.max_prompt_tokens + args.max_new_tokens      # longest sequence
+    T = args.max_new_tokens
+    act = 2 if args.precision == "bf16" else 4            # bytes of an activation or a logit
+    # Per token and layer, what a transformer layer keeps for its backward: norms, q/k/v, the
+    # attention output and its weights, the residuals and the MLP's hidden layers.
+    per_layer_token = (7 * H + 2 * kv_dim + heads * S + 4 * inner) * act
+    layer_inputs = L * b * S * H * 4                      # what gradient checkpointing keeps
+    one_layer = b * S * per_layer_token
+    logits = b * (T + 1) * V * act                        # one forward's logits [b, T + 1, V]
+    chunk = min(LOGITS_CHUNK_BYTES, b * (T + 1) * V * 4)  # one chunk of float32 softmax temporaries
+    check = min(args.entropy_check_rows * T, ENTROPY_CHECK_MAX_POSITIONS) * V * act
+    plan = {
+        "weights (fp32)": 4 * n_params,
+        "gradients (fp32)": 4 * n_params,
+        "Adam moments (fp32)": 8 * n_params,
+        "reference model (fp32)": 4 * n_params if needs_ref else 0,
+        "activations, one micro-batch": layer_inputs + one_layer if args.gradient_checkpointing else L * one_layer,
+        # the logits, their gradient, the gradient of the slice [:, :-1] taken of them, and
+        # softmax temporaries chunk by chunk
+        "logits, one micro-batch": 3 * logits + 4 * chunk,
+        "entropy check (logits before)": check,
+        "generation KV cache": 2 * L * rollout * S * kv_dim * act,
+        "generation logits": rollout * V * 4 * 3
+                             + (rollout * T * V * 4 if args.check_sampling_logprobs
+                                and rollout * T * V * 4 < SAMPLING_CHECK_MAX_BYTES else 0),
+    }
+    # The update's peak: its micro-batch (activations and logits) while the entropy check's "before"
+    # logits wait; or the entropy check itself: before and after, one forward's logits, temporaries.
+    update = max(plan["activations, one micro-batch"] + plan["logits, one micro-batch"] + check,
+                 2 * check + logits + 6 * chunk)
+    generation = plan["generation KV cache"] + plan["generation logits"]
+    model = sum(plan[k] for k in ("weights (fp32)", "gradients (fp32)", "Adam moments (fp32)",
+                                  "reference model (fp32)"))
+    return {"parts": plan, "n_params": n_params, "peak": model + max(update, generation),
+            "phase": "update" if update >= generation else "generation",
+            "supports_gradient_checkpointing": meta_model.supports_gradient_checkpointing}
+
+
+def device_memory(device) -> int:
+    """Bytes the run may use: the GPU's total memory, or the memory the CPU machine has available."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    for line in open("/proc/meminfo") if os.path.exists("/proc/meminfo") else []:
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def print_memory_plan(plan: dict, capacity: int, device) -> None:
+    gib = 2**30
+    print(f"memory plan (estimate; {plan['n_params'] / 1e6:.1f}M parameters):")
+    for part, nbytes in plan["parts"].items():
+        print(f"  {part:<32} {nbytes / gib:8.2f} GiB")
+    print(f"  {'estimated peak (' + plan['phase'] + ')':<32} {plan['peak'] / gib:8.2f} GiB of {capacity / gib:.1f} GiB "
+          f"{'on the GPU' if device.type == 'cuda' else 'available on this machine'}", flush=True)
+
+
+def check_memory(args: Args, task, device, needs_ref: bool) -> dict:
+    """Print the plan; refuse, in one line, a run that would not fit (unless --force)."""
+    plan = memory_plan(args, model_config_for_plan(args, task), needs_ref)
+    if args.gradient_checkpointing and not plan["supports_gradient_checkpointing"]:
+        fail(f"argument --gradient-checkpointing: model {args.model!r} does not support gradient checkpointing; "
+             f"run without --gradient-checkpointing")
+    capacity = device_memory(device)
+    print_memory_plan(plan, capacity, device)
+    if plan["peak"] > capacity and not args.force and not args.dry_run:
+        fail(f"the estimated peak memory {plan['peak'] / 2**30:.1f} GiB exceeds the {capacity / 2**30:.1f} GiB "
+             f"of the device; lower --micro-batch-size, --max-new-tokens or --prompts-per-step, add "
+             f"--gradient-checkpointing or --precision bf16, or pass --force to try anyway")
+    return plan
 
 
 # =====================================================================================================
@@ -1058,9 +1112,12 @@ def completion_logits(model, batch: dict, rows, args: Args) -> torch.Tensor:
     return logits[:, :-1]
 
 
+LOGITS_CHUNK_BYTES = 2**24   # log-probs and entropy go through the logits 16 MiB of float32 at a time
+
+
 def positions_per_chunk(vocab_size: int) -> int:
-    """Positions per chunk so that one chunk of float32 logits is at most 64 MiB."""
-    return max(1, 2**24 // vocab_size)
+    """Positions per chunk so that one chunk of float32 logits is at most LOGITS_CHUNK_BYTES."""
+    return max(1, LOGITS_CHUNK_BYTES // (4 * vocab_size))
 
 
 class ChunkedTokenLogprobs(torch.autograd.Function):
@@ -1164,20 +1221,21 @@ def rollout_statistics(run, batch: dict, adv: torch.Tensor, plan: list) -> dict:
         seen[rows] = True
     unseen = torch.arange(B)[~seen]
     forwards = first_epoch + (list(unseen.split(rows_per_forward(args))) if len(unseen) else [])
-    old_logp = torch.zeros(mask.shape, device=mask.device)                         # [B, T]
+    dtype = torch.promote_types(next(run.model.parameters()).dtype, torch.float32)  # float64 in the tests
+    old_logp = torch.zeros(mask.shape, dtype=dtype, device=mask.device)             # [B, T]
     entropy = torch.zeros_like(old_logp)                                            # [B, T]
     ref_logp = torch.zeros_like(old_logp) if run.ref_model is not None else None    # [B, T]
     check = EntropyCheckPositions(batch, args)
     for rows in forwards:
         logits = completion_logits(run.model, batch, rows, args)                   # [b, T, V]
         tokens = batch["completion_ids"][rows.to(mask.device)]
-        old_logp[rows] = token_logprobs(logits, tokens, args.temperature).float()
-        entropy[rows] = token_entropy(logits, args.temperature).float()
+        old_logp[rows] = token_logprobs(logits, tokens, args.temperature).to(dtype)
+        entropy[rows] = token_entropy(logits, args.temperature).to(dtype)
         check.capture(rows, logits)
-        if run.ref_model is not None:
-            ref_logits = completion_logits(run.ref_model, batch, rows, args)
-            ref_logp[rows] = token_logprobs(ref_logits, tokens, args.temperature).float()
         del logits                 # before the next forward allocates its own
+        if run.ref_model is not None:
+            ref_logp[rows] = token_logprobs(completion_logits(run.ref_model, batch, rows, args), tokens,
+                                            args.temperature).to(dtype)
     return dict(old_logp=old_logp, entropy=entropy, ref_logp=ref_logp, check=check,
                 entropy_mean=tepo.masked_mean(entropy, mask).item(),
                 cov=tepo.masked_mean(tepo.token_covariance(old_logp, adv.to(mask.device), mask), mask).item(),
@@ -1203,12 +1261,38 @@ def precision_noise_floor(run, batch: dict, rows: torch.Tensor, logp: torch.Tens
 
 
 class KLMaskDetails:
-    """One row of details.jsonl: where TEPO's KL mask falls during one RL step (module docstring).
+    """One row of details.jsonl: where TEPO's KL mask falls during one RL step.
+
+    details.jsonl (TEPO only: --objective tepo, even with --beta 0, where the mask is computed but has
+    no effect; one JSON row per RL step, truncated on --resume like metrics.jsonl). Where TEPO's KL
+    mask (tepo.tepo_kl_mask) falls, under the configured entropy criterion and under both criteria
+    side by side; logging only (detached tensors: metrics.jsonl is bit-identical without it):
+      step                          RL step, as in metrics.jsonl
+      kl_mask_frac_by_minibatch     one value per optimizer step, in order (epochs x mini_batches, fewer
+                                    when DAPO's filter left fewer groups; empty on a skipped step):
+                                    masked / valid completion tokens under the configured criterion;
+                                    its mean is metrics.jsonl's kl_mask/frac
+      kl_mask_frac_cov_by_minibatch, kl_mask_frac_measured_by_minibatch
+                                    the same with entropy_criterion cov / measured. measured is 0 on a
+                                    step's first mini-batch (CPU; ~0 under CUDA's bf16): nothing has
+                                    moved since the rollout
+      kl_mask_position_counts       [T] masked tokens (configured criterion) at each completion position,
+                                    summed over the step's mini-batches (T = padded completion width)
+      valid_position_counts         [T] valid tokens at each position, summed the same way (a token is
+                                    counted once per epoch): divide to get the masked fraction by position
+      sample                        one completion of the last micro-batch: its first row in rollout order
+                                    with A > 0 (its first row if none); null on a skipped step. Fields:
+                                    prompt (text), tokens (each valid token decoded, end token included),
+                                    reward, advantage, and per valid token, at the last micro-batch:
+                                    kl_mask, kl_mask_cov, kl_mask_measured (0/1), entropy (rollout),
+                                    entropy_after (at that micro-batch's forward), cov (token_covariance
+                                    of the ROLLOUT log-probs over the micro-batch; the cov criterion uses
+                                    the current ones, so off-policy a sign can differ), log_ratio
+                                    (log pi - log pi_old); floats rounded to 4, 5 and 6 decimals
 
     update_policy calls add() once per micro-batch and close() after each optimizer step; row() then
-    builds the JSON row. Logging only:
-    every mask is rebuilt here from detached tensors and nothing flows back into the loss or the
-    optimizer, so a run's metrics.jsonl is the same with or without it.
+    builds the JSON row. Every mask is rebuilt here from detached tensors and nothing flows back into
+    the loss or the optimizer, so a run's metrics.jsonl is the same with or without it.
     """
 
     def __init__(self, cfg: tepo.ObjectiveConfig, T: int, device):
@@ -1593,23 +1677,43 @@ def train(args: Args, obj_overrides: dict) -> dict:
     return write_summary(run.run_dir, read_log(os.path.join(run.run_dir, "metrics.jsonl")), args, time.time() - t_start)
 
 
+def resumed_args(args: Args, obj_overrides: dict) -> tuple[Args, dict]:
+    """With --resume: the saved settings, with run-only fields and --steps from args (parse_args has
+    already refused flags that would change the run; compare() resumes its runs without flags)."""
+    if not args.resume:
+        return args, obj_overrides
+    saved, checkpoint_step = check_resumable(args.resume)
+    return resume_args(args, obj_overrides, {"steps"}, saved, checkpoint_step)
+
+
+def pick_device(args: Args) -> torch.device:
+    return torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                        else "cpu")
+
+
+def dry_run(args: Args, obj_overrides: dict) -> None:
+    """--dry-run: print the memory plan; nothing is trained, loaded or written (with --model, only its
+    config is read, and the data set is not needed)."""
+    args, obj_overrides = resumed_args(args, obj_overrides)
+    cfg, _ = objective_config(args, obj_overrides)
+    check_memory(args, None, pick_device(args), tepo.needs_ref(args.objective, cfg))
+
+
 def start_run(args: Args, obj_overrides: dict) -> Run:
     """Load the task and the models, then either resume from the run directory's checkpoint or start
     afresh: config.json, empty logs, the starting model's evaluation (step 0) and checkpoint 0."""
     torch.set_num_threads(args.threads)
     resume_dir = args.resume
-    if resume_dir:   # the saved settings win; run-only fields and --steps come from args (parse_args, compare)
-        saved, checkpoint_step = check_resumable(resume_dir)
-        args, obj_overrides = resume_args(args, obj_overrides, {"steps"}, saved, checkpoint_step)
-    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-                          else "cpu")
+    args, obj_overrides = resumed_args(args, obj_overrides)
+    device = pick_device(args)
     cfg, builtin = objective_config(args, obj_overrides)
+    seed_everything(args.seed)
+    task = load_task(args)
+    check_memory(args, task, device, tepo.needs_ref(args.objective, cfg))
     run_dir = args.out or os.path.join("runs", run_name(args))
     print(f"run directory: {run_dir}", flush=True)    # created once everything has loaded
     reset_peak_memory(device)
-
-    seed_everything(args.seed)
-    task = load_task(args)
+    memory_before_model = process_memory_mb()
     start_model = prepare_start_model(args, task, device)
     model, tokenizer = load_policy(start_model, args, device)
     ref_model = None
@@ -1638,7 +1742,8 @@ def start_run(args: Args, obj_overrides: dict) -> Run:
         write_atomically(os.path.join(run_dir, "config.json"), lambda f: f.write(json.dumps(config, indent=2).encode()))
         for path in logs:
             open(path, "w").close()
-        append_row(logs[0], {"step": 0, **evaluate(model, tokenizer, run.test_set, args, device)})
+        append_row(logs[0], {"step": 0, **evaluate(model, tokenizer, run.test_set, args, device),
+                             "memory/process_before_model_mb": memory_before_model})
         save_checkpoint(run_dir, model, run.optimizer, 0)
     return run
 
@@ -1822,6 +1927,13 @@ def ctrl_c_finishes_the_step(run_dir: str):
 HUB_PROBE_SECONDS = 5
 
 
+def cannot_load(what: str, name: str, e: Exception, offline_reason: str | None, instead: str) -> None:
+    """One line for a model or dataset that could not be loaded: the unreachable hub when that is why."""
+    why = f"{offline_reason}, and it is not in the local cache" if offline_reason else \
+        f"{type(e).__name__}: {first_line(e)}"
+    fail(f"could not load {what} {name!r}: {why}; {instead}")
+
+
 def use_offline_hub_if_unreachable() -> str | None:
     """Probe the Hugging Face hub once (at most HUB_PROBE_SECONDS). If it does not answer, switch the
     hub libraries to offline mode, so loading uses the local cache at once instead of retrying for a
@@ -1911,7 +2023,8 @@ def bench(args: Args, obj_overrides: dict) -> None:
                               save_every=10**9, pass_k=1, pass_k_problems=1, check_sampling_logprobs=False)
     train(run, obj_overrides)
     rows = read_log(os.path.join(out, "ours", "metrics.jsonl"))[2:]   # skip step 0 and step 1
-    ours = {k: sum(r[k] for r in rows) / len(rows) for k in ("timing/generate", "timing/reward", "timing/update", "step_time", "perf/tokens_per_second")}
+    phases = ("timing/generate", "timing/reward", "timing/update", "step_time", "perf/tokens_per_second")
+    ours = {k: sum(r[k] for r in rows) / len(rows) for k in phases}
     ours["step_time"] -= sum(r["timing/eval"] for r in rows) / len(rows)
     ours["peak_memory_mb"] = max(r["perf/peak_memory_mb"] for r in rows)
     print(f"ours ({args.objective}): " + ", ".join(f"{k} {v:.3f}" for k, v in ours.items()))
@@ -1931,8 +2044,8 @@ def bench_trl(args: Args, out: str, n: int) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
     task = load_task(args)
-    start_model = prepare_start_model(args, task, torch.device("cpu"))
-    golds = {format_prompt(q): gold_answer(a) for q, a in zip(list(task["train"]["question"]), list(task["train"]["answer"]))}
+    start_model = prepare_start_model(args, task, pick_device(args))
+    golds = {format_prompt(q): gold_answer(a) for q, a in zip(task["train"]["question"], task["train"]["answer"])}
 
     def reward_fn(prompts, completions, **kw):
         return [float(parse_strict(c) == golds.get(p)) for p, c in zip(prompts, completions)]
@@ -1948,15 +2061,18 @@ def bench_trl(args: Args, out: str, n: int) -> dict:
                         steps_per_generation=args.mini_batches, num_generations=args.group_size,
                         max_completion_length=args.max_new_tokens, temperature=args.temperature, top_k=0, top_p=1.0,
                         learning_rate=args.lr, beta=0.0, loss_type="dapo", max_steps=(n + 1) * args.mini_batches,
-                        gradient_checkpointing=False, use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+                        gradient_checkpointing=args.gradient_checkpointing, use_cpu=pick_device(args).type == "cpu",
+                        bf16=args.precision == "bf16", report_to="none", save_strategy="no",   # as tepo's run
                         logging_steps=1, seed=args.seed, dataloader_num_workers=0, disable_tqdm=True)
     prompts = datasets.Dataset.from_dict({"prompt": [format_prompt(q) for q in list(task["train"]["question"])]})
     clock = Clock()
-    trainer = GRPOTrainer(model=start_model, reward_funcs=reward_fn, args=config, train_dataset=prompts, callbacks=[clock])
+    trainer = GRPOTrainer(model=start_model, reward_funcs=reward_fn, args=config, train_dataset=prompts,
+                          callbacks=[clock])
     t0 = time.time()
     trainer.train()
     ends = [t0] + clock.times
-    per_rollout = [ends[i + args.mini_batches] - ends[i] for i in range(args.mini_batches, len(ends) - args.mini_batches, args.mini_batches)]
+    per_rollout = [ends[i + args.mini_batches] - ends[i]          # the first rollout (untimed) is skipped
+                   for i in range(args.mini_batches, len(ends) - args.mini_batches, args.mini_batches)]
     step = sum(per_rollout) / max(1, len(per_rollout))
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     return {"step_time": step, "perf/tokens_per_second": rollout * lengths[-1] / step,
@@ -1965,10 +2081,18 @@ def bench_trl(args: Args, out: str, n: int) -> dict:
 
 def main(argv=None) -> int:
     args, obj_overrides = parse_args(argv)
-    if args.bench:
+    if args.dry_run:
+        dry_run(args, obj_overrides)
+    elif args.bench:
         bench(args, obj_overrides)
     elif args.compare:
         compare(args, obj_overrides)
+    elif args.engine == "trl":   # the same objective inside TRL's GRPOTrainer (tepo_trl.py; needs trl)
+        try:
+            import tepo_trl
+        except ImportError as e:
+            fail(f"argument --engine: 'trl' needs TRL ({e}); pip install 'trl>=1.16,<1.17' or choose --engine tepo")
+        tepo_trl.train(args, obj_overrides)
     else:
         train(args, obj_overrides)
     return 0

@@ -1,0 +1,206 @@
+"""Helpers shared by the notebooks in this folder, written once here instead of in each notebook.
+
+- where things are: REPO (the repository root, put on sys.path so `import tepo` finds tepo.py), LOGS, FIGURES;
+- the reference logs: the training commands of logs/COMMANDS.md (the one place they are written) and
+  regenerate_logs(), load_run() for one run directory, series() for one metric;
+- small statistics: smooth(), standard errors and 95% intervals, so that verdicts stay within the data;
+- plotting: the shared style, LABELS and COLORS per objective, smoothed_band(), save_figure() for the README.
+
+Log reading and correlations are train_small.py's own read_log() and pearson() (importing train_small does
+not start a run; it imports torch and tepo).
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+NB_DIR = Path(__file__).resolve().parent
+REPO = NB_DIR.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import matplotlib.pyplot as plt  # noqa: E402
+
+from train_small import pearson, read_log  # noqa: E402,F401
+
+# The logs: notebooks/logs/ (committed), or the directory named by the TEPO_NOTEBOOK_LOGS environment variable
+# (a relative path is taken from the repository root, where train_small.py writes runs/).
+LOGS = (REPO / Path(os.environ["TEPO_NOTEBOOK_LOGS"]).expanduser()).resolve() if os.environ.get("TEPO_NOTEBOOK_LOGS") \
+    else NB_DIR / "logs"
+FIGURES = NB_DIR / "figures"
+COMMANDS_FILE = NB_DIR / "logs" / "COMMANDS.md"
+LOG_FILES = ("config.json", "metrics.jsonl", "summary.json", "details.jsonl")   # not checkpoints or weights
+
+OBJECTIVES = ["grpo", "dr_grpo", "dapo", "gspo", "tepo", "mpo", "clip_cov", "kl_cov"]
+LABELS = {"grpo": "GRPO", "dr_grpo": "Dr. GRPO", "dapo": "DAPO", "gspo": "GSPO", "tepo": "TEPO",
+          "mpo": "MPO", "clip_cov": "Clip-Cov", "kl_cov": "KL-Cov", "tepo_beta0": "TEPO, beta = 0"}
+COLORS = dict(zip(OBJECTIVES + ["tepo_beta0"],      # tab10 without its grey, which marks "the others" in plots
+                  [c for k, c in enumerate(plt.cm.tab10.colors) if k != 7]))
+
+plt.rcParams.update({"figure.dpi": 90, "axes.grid": True, "grid.alpha": 0.3, "font.size": 10,
+                     "axes.titlesize": 10, "legend.fontsize": 8})
+
+
+def shown_path(path: Path) -> str:
+    """A path as the notebooks print it: relative to the repository root, so no output shows a machine's
+    directories (a logs directory outside the repository is shown by its name only)."""
+    path = Path(path).resolve()
+    return f"{path.relative_to(REPO)}/" if path.is_relative_to(REPO) else f"<TEPO_NOTEBOOK_LOGS: {path.name}>/"
+
+
+# ---- the reference logs ------------------------------------------------------------------------------------
+
+def training_commands() -> list[list[str]]:
+    """The commands of logs/COMMANDS.md (its lines starting `python train_small.py`), each as an argv list
+    to run from the repository root with this kernel's python."""
+    lines = COMMANDS_FILE.read_text().splitlines()
+    return [[sys.executable] + shlex.split(line)[1:] for line in lines if line.startswith("python train_small.py")]
+
+
+def run_dirs_of(cmd: list[str]) -> list[Path]:
+    """The run directories a command writes: <out>/<objective>__<seed> for each objective of --compare,
+    or <out> itself for a single run."""
+    out = REPO / cmd[cmd.index("--out") + 1]
+    if "--compare" not in cmd:
+        return [out]
+    seed = cmd[cmd.index("--seed") + 1]
+    return [out / f"{name}__{seed}" for name in cmd[cmd.index("--compare") + 1].split(",")]
+
+
+def regenerate_logs() -> None:
+    """Run the commands of logs/COMMANDS.md (hours on 2 CPU cores), then copy each run's small log files
+    into LOGS/<run name>/."""
+    for cmd in training_commands():
+        print("running:", " ".join(["python"] + cmd[1:]), flush=True)
+        subprocess.run(cmd, cwd=REPO, check=True)
+        for src in run_dirs_of(cmd):
+            (LOGS / src.name).mkdir(parents=True, exist_ok=True)
+            for f in LOG_FILES:
+                if (src / f).is_file():
+                    shutil.copy2(src / f, LOGS / src.name / f)
+    print("logs copied to", shown_path(LOGS))
+
+
+def load_run(name: str) -> dict | None:
+    """{metrics, steps, config, summary, details, planned} of LOGS/<name>, or None when it has no metrics.jsonl."""
+    d = LOGS / name
+    if not (d / "metrics.jsonl").is_file():
+        return None
+    run = {"name": name, "metrics": read_log(str(d / "metrics.jsonl"))}
+    for key in ("config", "summary"):
+        run[key] = json.loads((d / f"{key}.json").read_text()) if (d / f"{key}.json").is_file() else None
+    run["details"] = read_log(str(d / "details.jsonl")) if (d / "details.jsonl").is_file() else None
+    run["steps"] = [r for r in run["metrics"] if r.get("step", 0) > 0 and "entropy" in r]   # RL steps (row 0: eval)
+    run["planned"] = run["config"]["args"]["steps"] if run["config"] else None
+    return run
+
+
+def describe(run: dict) -> str:
+    done, planned = len(run["steps"]), run["planned"]
+    state = "finished" if run["summary"] else "UNFINISHED (no summary.json)"
+    details = "" if run["details"] is None else f", details.jsonl {len(run['details'])} rows"
+    return f"{done} of {planned if planned else '?'} steps, {state}{details}"
+
+
+def series(run: dict, key: str, skip_skipped: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Steps and finite values of one metric (optionally without DAPO-filter steps that made no update)."""
+    xs, ys = [], []
+    for r in run["metrics"]:
+        v = r.get(key)
+        if skip_skipped and r.get("dynamic_sampling/skipped", 0) == 1:
+            continue
+        if isinstance(v, (int, float)) and math.isfinite(v):
+            xs.append(r["step"])
+            ys.append(v)
+    return np.array(xs), np.array(ys, dtype=float)
+
+
+def eval_size(run: dict) -> int:
+    """How many held-out problems each evaluation of the run used."""
+    return run["config"]["args"]["n_test"] if run["config"] else 500
+
+
+# ---- statistics --------------------------------------------------------------------------------------------
+
+def smooth(y, window: int) -> np.ndarray:
+    """Centred moving average over `window` points; the window shrinks at both ends."""
+    y = np.asarray(y, dtype=float)
+    if len(y) == 0:
+        return y
+    half = window // 2
+    c = np.concatenate([[0.0], np.cumsum(y)])
+    i = np.arange(len(y))
+    lo, hi = np.maximum(0, i - half), np.minimum(len(y), i + half + 1)
+    return (c[hi] - c[lo]) / (hi - lo)
+
+
+def binomial_se(p: float, n: int) -> float:
+    """Standard error of a fraction p measured on n independent trials."""
+    return math.sqrt(p * (1 - p) / n)
+
+
+def mean_se(x) -> float:
+    """Standard error of the mean of x, treating its values as independent (for the steps of one run this is
+    optimistic: the policy carries over from step to step)."""
+    x = np.asarray(x, dtype=float)
+    return float(x.std(ddof=1) / math.sqrt(len(x)))
+
+
+def bootstrap_se(statistic, n: int, draws: int = 2000, seed: int = 0) -> float:
+    """Standard error of statistic(rows) when the n units (e.g. logged samples) are redrawn with replacement.
+    Redrawing whole samples keeps the tokens of one completion together: they are not independent."""
+    rng = np.random.default_rng(seed)
+    return float(np.std([statistic(rng.integers(0, n, n)) for _ in range(draws)], ddof=1))
+
+
+def with_interval(estimate: float, se: float, scale: float = 1.0, digits: int = 1, unit: str = "") -> str:
+    """'+9.0 points (standard error 3.6, 95% interval +1.9 to +16.1)': the normal-approximation interval."""
+    e, s = scale * estimate, scale * se
+    return (f"{e:+.{digits}f}{unit} (standard error {s:.{digits}f}, "
+            f"95% interval {e - 1.96 * s:+.{digits}f} to {e + 1.96 * s:+.{digits}f})")
+
+
+def correlation_interval(r: float, n: int) -> tuple[float, float]:
+    """95% interval of a Pearson r measured on n independent pairs (Fisher's z = atanh r is nearly normal,
+    with standard error 1/sqrt(n - 3))."""
+    half = 1.96 / math.sqrt(n - 3)
+    return math.tanh(math.atanh(r) - half), math.tanh(math.atanh(r) + half)
+
+
+def clearly_nonzero(estimate: float, se: float) -> bool:
+    """True when the 95% interval estimate +- 1.96 se leaves out zero."""
+    return abs(estimate) > 1.96 * se
+
+
+# ---- plotting ----------------------------------------------------------------------------------------------
+
+def smoothed_band(ax, x, y, color, label, window: int) -> None:
+    """Moving average (line) and the moving standard deviation of single steps around it (band)."""
+    m = smooth(y, window)
+    sd = np.sqrt(np.maximum(0.0, smooth(np.asarray(y, dtype=float) ** 2, window) - m ** 2))
+    ax.fill_between(x, m - sd, m + sd, color=color, alpha=0.15, lw=0)
+    ax.plot(x, m, color=color, lw=2, label=label)
+
+
+def save_figure(fig, filename: str) -> None:
+    """Save a key figure for the README: notebooks/figures/, 110 dpi, RGB (no alpha channel, smaller file),
+    no timestamp (the same logs give the same bytes)."""
+    from PIL import Image
+    try:
+        FIGURES.mkdir(exist_ok=True)
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=110)
+        buf.seek(0)
+        Image.open(buf).convert("RGB").save(FIGURES / filename, optimize=True)
+        print(f"saved notebooks/figures/{filename} ({(FIGURES / filename).stat().st_size // 1024} KB)")
+    except OSError as err:
+        print(f"could not save {filename}: {err}")

@@ -1,0 +1,255 @@
+"""tepo_trl.py: any tepo objective inside TRL's GRPOTrainer, so the function you read in tepo.py is
+the one that trains at scale (several GPUs through accelerate / DeepSpeed, vLLM generation, PEFT).
+
+Written for TRL 1.16 (trl>=1.16,<1.17): it overrides two private methods of GRPOTrainer,
+`_generate_and_score_completions` and `_compute_loss`, whose names and inputs change between
+TRL releases.
+
+What TRL does, unchanged: prompts, sampling, rewards, group-relative advantages (`scale_rewards`,
+std + 1e-4), old and reference log-probs, the optimizer, gradient accumulation, distribution and
+logging. What tepo does: the loss, `tepo.OBJECTIVES[name](logp, old_logp, advantages, mask, cfg, ...)`,
+with the token / sequence counts of the whole optimizer step (exact gradient accumulation, see
+tepo.aggregate_loss), plus the one input TRL does not compute: the rollout entropy, for TEPO's
+`entropy_criterion="measured"` (tepo.needs_entropy).
+
+    import tepo
+    from tepo_trl import TepoGRPOTrainer, grpo_config
+    cfg = tepo.config_for("tepo")                      # paper defaults; any field can be overridden
+    args = grpo_config("tepo", cfg, output_dir="out", num_generations=8, max_completion_length=256)
+    trainer = TepoGRPOTrainer(model="Qwen/Qwen2.5-0.5B-Instruct", reward_funcs=my_reward, args=args,
+                              train_dataset=prompts, objective="tepo", objective_config=cfg)
+    trainer.train()
+
+`python train_small.py --engine trl` runs the built-in task (or --model / --dataset) through it
+(`train` below); `accelerate launch train_small.py --engine trl ...` is the scale-out command.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from decimal import Decimal
+
+import torch
+from trl import GRPOConfig, GRPOTrainer
+
+import tepo
+
+TRL_TESTED = "1.16"
+
+# TRL switches that change TRL's own loss. TepoGRPOTrainer's loss is tepo's and does not apply them, so
+# they must keep these values (checked on construction rather than silently ignored).
+# (use_bias_correction_kl, on by default in TRL 1.16, multiplies the KL term by the ratio: it only
+# matters when beta != 0.)
+TRL_LOSS_SWITCHES = {"top_entropy_quantile": 1.0, "entropy_coef": 0.0, "use_adaptive_entropy": False,
+                     "off_policy_mask_threshold": None, "delta": None, "use_bias_correction_kl": False}
+
+# tepo metric -> TRL's name for the same quantity (clip_ratio/* already share TRL's names). tepo's
+# "loss" is not logged: the Trainer logs the loss it back-propagated.
+TRL_METRIC_NAMES = {"kl_ref": "kl"}
+
+
+def grpo_config(objective: str, cfg: tepo.ObjectiveConfig, **trl_settings) -> GRPOConfig:
+    """A GRPOConfig whose data-side settings agree with the objective's config.
+
+    Carried over: eps_low / eps_high -> epsilon / epsilon_high (informative: the loss reads cfg),
+    advantage_scale -> scale_rewards, and beta -> beta only when the objective needs a reference
+    model (tepo.needs_ref), because TRL loads one and computes its log-probs exactly when beta != 0.
+    Not carried over (TRL has no such switch): adv_eps (TRL's is 1e-4), dynamic_sampling (TRL keeps
+    zero-std groups, with advantage 0), overlong_penalty (add it as a reward function, see `train`).
+    use_bias_correction_kl is turned off: tepo's KL terms have no ratio weight.
+    """
+    carried = dict(epsilon=cfg.eps_low, epsilon_high=cfg.eps_high, scale_rewards=cfg.advantage_scale,
+                   beta=cfg.beta if tepo.needs_ref(objective, cfg) else 0.0, use_bias_correction_kl=False)
+    return GRPOConfig(**{**carried, **trl_settings})
+
+
+class TepoGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer whose loss is tepo.OBJECTIVES[objective] with `objective_config` (default: the
+    paper defaults, tepo.PAPER_DEFAULTS). Everything else is TRL's."""
+
+    def __init__(self, model, reward_funcs, args: GRPOConfig, *, objective: str,
+                 objective_config: tepo.ObjectiveConfig | None = None, **trl_kwargs):
+        cfg = tepo.config_for(objective) if objective_config is None else objective_config
+        for name, default in TRL_LOSS_SWITCHES.items():
+            if getattr(args, name) != default and (name != "use_bias_correction_kl" or args.beta != 0):
+                raise ValueError(f"{name}={getattr(args, name)!r} is not applied by TepoGRPOTrainer (its loss is "
+                                 f"tepo's); choose {default!r}")
+        if args.use_vllm and args.vllm_importance_sampling_correction:
+            raise ValueError("vllm_importance_sampling_correction=True is not applied by TepoGRPOTrainer (tepo's "
+                             "objectives take no per-token weight); choose False")
+        if (args.beta != 0) != tepo.needs_ref(objective, cfg):
+            raise ValueError(f"beta={args.beta!r}: TRL computes reference log-probs only when beta != 0, and "
+                             f"{objective} {'needs' if tepo.needs_ref(objective, cfg) else 'does not need'} them; "
+                             f"build the GRPOConfig with tepo_trl.grpo_config")
+        # Dr. GRPO's constant L is the maximum completion length, as in TRL's dr_grpo
+        if cfg.aggregation == "seq-mean-token-sum-norm" and cfg.norm_constant is None:
+            cfg = dataclasses.replace(cfg, norm_constant=float(args.max_completion_length))
+        self.objective, self.objective_config = objective, cfg
+        super().__init__(model=model, reward_funcs=reward_funcs, args=args, **trl_kwargs)
+
+    def _generate_and_score_completions(self, inputs):
+        """TRL's rollout, plus the entropy of the rollout policy [B, T] when the objective needs it."""
+        output = super()._generate_and_score_completions(inputs)
+        if tepo.needs_entropy(self.objective, self.objective_config):
+            with torch.no_grad():
+                _, output["old_entropy"], _ = self._get_per_token_logps_and_entropies(
+                    self.model, torch.cat([output["prompt_ids"], output["completion_ids"]], 1),
+                    torch.cat([output["prompt_mask"], output["completion_mask"]], 1),
+                    output["completion_ids"].size(1), batch_size=self.args.per_device_train_batch_size,
+                    compute_entropy=True)
+        return output
+
+    def _compute_loss(self, model, inputs):
+        """tepo's objective on one micro-batch of TRL's rollout; its metrics go to TRL's logs."""
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]   # [B, T]
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        logp, entropy, aux_loss = self._get_per_token_logps_and_entropies(                  # [B, T] each
+            model, torch.cat([inputs["prompt_ids"], completion_ids], 1),
+            torch.cat([inputs["prompt_mask"], completion_mask], 1), completion_ids.size(1),
+            compute_entropy=True, compute_aux_loss=self.aux_loss_enabled)
+        # TRL leaves out the old log-probs when the micro-batch is surely on-policy (one update per rollout)
+        old_logp = inputs.get("old_per_token_logps")
+        old_logp = logp.detach() if old_logp is None else old_logp
+        # Counts over the whole optimizer step, as TRL's dapo / grpo losses use them: the sum of the
+        # micro-batch gradients is then the gradient of the whole step (and, averaged over processes
+        # by DDP, of the global batch). num_items_in_batch counts the tokens of the generation batch
+        # on all processes; one optimizer step sees accumulation / steps_per_generation of it.
+        mode = "train" if self.model.training else "eval"
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        num_tokens = inputs["num_items_in_batch"] / self.accelerator.num_processes
+        if mode == "train":
+            num_tokens = num_tokens * accumulation / self.args.steps_per_generation
+        cfg = self.objective_config
+        loss, metrics = tepo.OBJECTIVES[self.objective](
+            logp, old_logp, inputs["advantages"], mask, cfg, ref_logp=inputs.get("ref_per_token_logps"),
+            entropy=entropy, old_entropy=inputs.get("old_entropy"), num_tokens=num_tokens,
+            num_seqs=logp.size(0) * accumulation)
+        if self.objective == "mpo" and cfg.block_agg == "block-mean":
+            loss = loss / accumulation     # MPO's block-mean counts this micro-batch's blocks only
+        if self.aux_loss_enabled:          # MoE load balancing, as in TRL
+            loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
+        metrics = {TRL_METRIC_NAMES.get(k, k): v for k, v in metrics.items() if k != "loss"}
+        metrics["entropy"] = tepo.masked_mean(entropy.detach(), mask).item()
+        self._log_across_processes(metrics, mode)
+        return loss
+
+    def _log_across_processes(self, metrics: dict, mode: str) -> None:
+        """Mean over processes (min / max for ratio/min, ratio/max); TRL averages over the log window."""
+        device = self.accelerator.device
+        gathered = self.accelerator.gather(torch.tensor(list(metrics.values()), device=device))
+        for name, column in zip(metrics, gathered.view(-1, len(metrics)).T):
+            reduce = torch.amin if name.endswith("/min") else torch.amax if name.endswith("/max") else torch.mean
+            self._metrics[mode][name].append(reduce(column).item())
+
+
+# =====================================================================================================
+# train_small.py --engine trl: the built-in task (or --model / --dataset) through TepoGRPOTrainer
+# =====================================================================================================
+
+def trl_settings(args, num_processes: int) -> dict:
+    """train_small.Args -> GRPOConfig fields. One RL step = one rollout of prompts_per_step x
+    group_size completions (over all processes) = mini_batches x epochs optimizer steps, as in
+    train_small's own loop. Raises ValueError when the rollout does not split evenly."""
+    rollout = args.prompts_per_step * args.group_size
+    if rollout % (args.mini_batches * num_processes):
+        raise ValueError(f"--mini-batches={args.mini_batches}: a rollout of {rollout} completions does not split "
+                         f"into {args.mini_batches} mini-batches on {num_processes} process(es); choose a divisor")
+    mini_batch = rollout // (args.mini_batches * num_processes)          # rows per process and optimizer step
+    micro_batch = args.micro_batch_size or mini_batch
+    if mini_batch % micro_batch:
+        raise ValueError(f"--micro-batch-size={args.micro_batch_size}: does not divide the {mini_batch} rows of a "
+                         f"mini-batch per process; choose a divisor of {mini_batch}")
+    accumulation = mini_batch // micro_batch
+    optimizer_steps = args.mini_batches * args.epochs                     # per RL step
+    return dict(per_device_train_batch_size=micro_batch, gradient_accumulation_steps=accumulation,
+                steps_per_generation=args.mini_batches * accumulation, num_iterations=args.epochs,
+                num_generations=args.group_size, max_completion_length=args.max_new_tokens,
+                temperature=args.temperature, top_k=0, top_p=1.0, learning_rate=args.lr,
+                lr_scheduler_type="constant_with_warmup", warmup_steps=args.lr_warmup_steps * optimizer_steps,
+                weight_decay=0.0, max_grad_norm=args.max_grad_norm, max_steps=args.steps * optimizer_steps,
+                logging_steps=optimizer_steps, save_strategy="steps", save_steps=args.save_every * optimizer_steps,
+                seed=args.seed, bf16=args.precision == "bf16", activation_checkpointing=args.gradient_checkpointing,
+                disable_dropout=True, trust_remote_code=args.trust_remote_code, model_init_kwargs={"dtype": "float32"},
+                report_to="none", dataloader_num_workers=0)
+
+
+def task_rewards(args, cfg: tepo.ObjectiveConfig) -> list:
+    """TRL reward functions for train_small's task: 1 if right (--reward parsing), plus DAPO's soft
+    length cost when the objective asks for it. Accuracy is logged with train_small's names."""
+    import train_small as ts
+
+    def correct_answer(prompts, completions, gold, log_metric, **_):
+        golds = [Decimal(g) if g else None for g in gold]
+        strict, lenient = ts.score_completions(completions, golds)
+        log_metric("accuracy/strict", strict.mean().item())
+        log_metric("accuracy/lenient", lenient.mean().item())
+        return (strict if args.reward == "strict" else lenient).tolist()
+
+    def overlong_penalty(completion_ids, **_):
+        lengths = torch.tensor([float(len(ids)) for ids in completion_ids])
+        return tepo.soft_overlong_punishment(lengths, args.max_new_tokens, args.overlong_cache).tolist()
+
+    return [correct_answer, overlong_penalty] if cfg.overlong_penalty else [correct_answer]
+
+
+def train(args, obj_overrides: dict) -> dict:
+    """One run of train_small's task with TepoGRPOTrainer. Writes <run dir>/config.json, metrics.jsonl
+    (one row per RL step: TRL's logs plus tepo's metrics), the final policy and summary.json with
+    held-out accuracy before and after (greedy, strict; main process only)."""
+    import datasets
+    from accelerate import PartialState
+
+    import train_small as ts
+    state = PartialState()
+    if args.resume:
+        ts.fail("argument --resume: not supported with --engine trl; TRL's checkpoints are in the run directory "
+                "(checkpoint-*), resume them with TRL")
+    try:
+        settings = trl_settings(args, state.num_processes)
+    except ValueError as e:
+        ts.fail(str(e))
+    torch.set_num_threads(args.threads)
+    cfg, builtin = ts.objective_config(args, obj_overrides)
+    run_dir = args.out or os.path.join("runs", ts.run_name(args) + "__trl")
+    device = state.device
+    ts.seed_everything(args.seed)
+    task = ts.load_task(args)
+    with state.main_process_first():          # the built-in warm-up is made (and cached) once
+        start_model = ts.prepare_start_model(args, task, device)
+    questions, answers = list(task["train"]["question"]), list(task["train"]["answer"])
+    golds = [ts.gold_answer(a) for a in answers]
+    prompts = datasets.Dataset.from_dict({"prompt": [ts.format_prompt(q) for q in questions],
+                                          "gold": ["" if g is None else str(g) for g in golds]})
+    config = grpo_config(args.objective, cfg, output_dir=run_dir, use_cpu=device.type == "cpu", **settings)
+    trainer = TepoGRPOTrainer(model=start_model, reward_funcs=task_rewards(args, cfg), args=config,
+                              train_dataset=prompts, objective=args.objective, objective_config=cfg)
+    skipped = {"adv_eps": f"{cfg.adv_eps} -> TRL's 1e-4", "dynamic_sampling": cfg.dynamic_sampling}
+    if state.is_main_process:
+        print(f"TRL {TRL_TESTED} engine: {args.objective}; not carried over to TRL: {skipped}")
+        os.makedirs(run_dir, exist_ok=True)
+        json.dump({"args": dataclasses.asdict(args), "objective_overrides": obj_overrides, "builtin_overrides": builtin,
+                   "objective_config": dataclasses.asdict(trainer.objective_config), "start_model": start_model,
+                   "engine": "trl", "not_carried_over": skipped, "grpo_config": config.to_dict()},
+                  open(os.path.join(run_dir, "config.json"), "w"), indent=2, default=str)
+    test = task["test"].select(range(min(args.n_test, len(task["test"]))))
+    before = ts.evaluate(trainer.model, trainer.processing_class, test, args, device) if state.is_main_process else {}
+    trainer.train()
+    trainer.save_model(os.path.join(run_dir, "policy"))
+    if not state.is_main_process:
+        return {"run_dir": run_dir}
+    optimizer_steps = args.mini_batches * args.epochs
+    rows = [{"step": h["step"] // optimizer_steps, **{k: v for k, v in h.items() if k != "step"}}
+            for h in trainer.state.log_history if "reward" in h]
+    after = ts.evaluate(trainer.model, trainer.processing_class, test, args, device)
+    rows = [{"step": 0, **before}] + rows
+    rows[-1].update(after)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    summary = {"run_dir": run_dir, "engine": "trl", "objective": args.objective, "seed": args.seed,
+               "start_accuracy": before["eval/accuracy"], "final_accuracy": after["eval/accuracy"],
+               "gain_points": 100 * (after["eval/accuracy"] - before["eval/accuracy"])}
+    json.dump(summary, open(os.path.join(run_dir, "summary.json"), "w"), indent=2)
+    print(f"held-out accuracy {summary['start_accuracy']:.3f} -> {summary['final_accuracy']:.3f}; {run_dir}")
+    return summary
