@@ -2861,19 +2861,26 @@ def test_cache_dir_flag_places_and_prints_the_warm_up_cache(tmp_path, capsys):
 KILL_ARGS = [*MICRO, "--objective", "tepo", "--steps", "4"]
 
 
-def test_steps_extends_a_finished_run_like_an_uninterrupted_one(workdir):
-    """3 steps, then --resume --steps 5, equals 5 steps at once. Step 3's final evaluation (off the
+@pytest.fixture(scope="module")
+def four_steps(workdir):
+    """The uninterrupted run that extended, interrupted and killed runs must reproduce."""
+    run_main([*KILL_ARGS, "--out", "runs/four_steps"])
+    return without_timing(read_rows("runs/four_steps"))
+
+
+def test_steps_extends_a_finished_run_like_an_uninterrupted_one(four_steps):
+    """3 steps, then --resume --steps 4, equals 4 steps at once. Step 3's final evaluation (off the
     --eval-every 2 schedule) stays in its row as an extra measurement and does not touch the RNG."""
-    run_main([*MICRO, "--objective", "grpo", "--steps", "5", "--out", "runs/ext_full"])
-    run_main([*MICRO, "--objective", "grpo", "--steps", "3", "--out", "runs/ext"])
-    run_main(["--resume", "runs/ext", "--steps", "5"])
-    full, extended = without_timing(read_rows("runs/ext_full")), without_timing(read_rows("runs/ext"))
-    assert [r["step"] for r in extended] == [0, 1, 2, 3, 4, 5]
-    assert "eval/accuracy" in extended[3] and "eval/accuracy" not in full[3]
-    assert {k: v for k, v in extended[3].items() if not k.startswith("eval/")} == full[3]
-    assert extended[:3] == full[:3] and extended[4:] == full[4:]
+    run_main([*KILL_ARGS, "--steps", "3", "--out", "runs/ext"])
+    run_main(["--resume", "runs/ext", "--steps", "4"])
+    extended = without_timing(read_rows("runs/ext"))
+    assert [r["step"] for r in extended] == [0, 1, 2, 3, 4]
+    assert "eval/accuracy" in extended[3] and "eval/accuracy" not in four_steps[3]
+    assert {k: v for k, v in extended[3].items() if not k.startswith("eval/")} == four_steps[3]
+    assert extended[:3] == four_steps[:3] and extended[4:] == four_steps[4:]
     assert json.load(open("runs/ext/config.json"))["args"]["steps"] == 3     # the saved settings are kept
-    assert json.load(open("runs/ext/summary.json"))["final_accuracy"] == full[5]["eval/accuracy"]
+    assert json.load(open("runs/ext/summary.json"))["final_accuracy"] == four_steps[4]["eval/accuracy"]
+    assert read_details("runs/ext") == read_details("runs/four_steps")
 
 
 def assert_whole_rows_without_duplicates(run_dir):
@@ -2920,7 +2927,7 @@ def test_ctrl_c_finishes_the_step_and_says_how_to_resume(workdir):
     assert torch.load(Path(out, "checkpoint.pt"), weights_only=True)["step"] == int(m[1])
 
 
-def test_kill_9_at_any_moment_loses_at_most_the_steps_since_the_checkpoint(workdir):
+def test_kill_9_at_any_moment_loses_at_most_the_steps_since_the_checkpoint(four_steps):
     """SIGKILL during the first checkpoint, during a later checkpoint write (after its step's row was
     logged), and in the middle of a step; each time --resume (or a fresh start when there is no
     checkpoint yet) goes on, and the finished log equals an uninterrupted run's."""
@@ -2947,9 +2954,9 @@ def test_kill_9_at_any_moment_loses_at_most_the_steps_since_the_checkpoint(workd
     process.wait()
     # 4. resumed to the end: the same rows as an uninterrupted run, each step once, no cut-off line
     run_main(["--resume", out])
-    run_main([*KILL_ARGS, "--out", "runs/unkilled"])
     assert_whole_rows_without_duplicates(out)
-    assert without_timing(read_rows(out)) == without_timing(read_rows("runs/unkilled"))
+    assert without_timing(read_rows(out)) == four_steps
+    assert read_details(out) == read_details("runs/four_steps")
     assert not [n for n in os.listdir(out) if n.startswith(".")]            # no temp file left behind
 
 
@@ -3120,12 +3127,14 @@ def test_trl_engine_two_steps(case, trl_model):
 
 
 def test_trl_engine_bad_split_is_one_line(trl_model, capsys):
-    """A rollout of 2 x 4 completions cannot make 3 mini-batches: exit 2, one line, nothing written."""
+    """A rollout of 3 x 3 completions cannot make 2 mini-batches: exit 2, one line, nothing written.
+    (With 2 prompts, 3 mini-batches are refused earlier, by the command line: a mini-batch holds whole groups.)"""
     with pytest.raises(SystemExit) as exc:
-        ts.main([*MICRO, "--engine", "trl", "--mini-batches", "3", "--out", "runs/trl_bad"])
+        ts.main([*MICRO, "--engine", "trl", "--prompts-per-step", "3", "--group-size", "3", "--mini-batches", "2",
+                 "--out", "runs/trl_bad"])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "--mini-batches=3" in err and "divisor" in err
+    assert len(err.splitlines()) == 1 and "--mini-batches=2" in err and "divisor" in err
     assert not os.path.exists("runs/trl_bad")
 
 
