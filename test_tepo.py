@@ -2747,6 +2747,9 @@ def test_resume_refuses_flags_that_change_what_is_computed(tmp_path):
     assert (args.objective, args.steps, args.threads, args.out, overrides) == ("tepo", 9, 1, run_dir, {})
     assert ts.parse_args(["--resume", run_dir])[0].steps == 4                 # the saved length
     assert_refused_in_one_line(["--resume", run_dir, "--steps", "1"], "--steps", ">= 2")   # below the checkpoint
+    assert_refused_in_one_line(["--resume", run_dir, "--compare", "grpo,tepo"], "--resume", "--compare")
+    # a fresh run may not overwrite a run directory that holds a checkpoint
+    assert_refused_in_one_line(["--out", run_dir], "--out", f"--resume {run_dir}")
 
 
 def test_resume_args_keeps_saved_settings_and_takes_run_only_fields():
