@@ -2402,26 +2402,29 @@ def make_model_dir(path, vocab_size: int, width: int = 64, layers: int = 2) -> s
 
 
 @pytest.fixture(scope="module")
-def qwen_vocab_model(tmp_path_factory):
+def measured_runs(tmp_path_factory):
+    """Three 2-step GRPO runs in subprocesses on the 151,936-token micro model: (prompts per step,
+    micro-batch size) -> (measured peak minus the memory before the model, printed estimate), MiB."""
     d = tmp_path_factory.mktemp("qwen_vocab")
     with open(d / "data.jsonl", "w") as f:
         for i in range(40):
             f.write(json.dumps({"question": f"Ann has {i} pens and gets {i + 1} more. How many pens now?",
                                 "answer": f"#### {2 * i + 1}"}) + "\n")
-    return make_model_dir(d / "model", QWEN_VOCAB), str(d / "data.jsonl")
+    model_dir = make_model_dir(d / "model", QWEN_VOCAB)
+    return {(prompts, micro): measured_run(model_dir, str(d / "data.jsonl"), str(d / f"p{prompts}m{micro}"),
+                                           prompts, micro)
+            for prompts, micro in ((4, 4), (8, 4), (2, 8))}
 
 
-def measured_run(model_dir: str, data: str, out: str, prompts: int, micro: int, *extra) -> tuple[float, float]:
-    """A 2-step GRPO run in a subprocess: (measured peak minus the memory before the model, in MiB;
-    the printed estimate, in MiB)."""
+def measured_run(model_dir: str, data: str, out: str, prompts: int, micro: int) -> tuple[float, float]:
     argv = [sys.executable, SCRIPT, "--model", model_dir, "--dataset", data, "--objective", "grpo", "--beta", "0",
             "--steps", "2", "--prompts-per-step", str(prompts), "--group-size", "4", "--mini-batches", "1",
-            "--micro-batch-size", str(micro), "--max-new-tokens", "24", "--overlong-cache", "4",
-            "--max-prompt-tokens", "16", "--n-test", "4", "--pass-k", "2", "--pass-k-problems", "2",
+            "--micro-batch-size", str(micro), "--max-new-tokens", "16", "--overlong-cache", "4",
+            "--max-prompt-tokens", "16", "--n-test", "2", "--pass-k", "2", "--pass-k-problems", "1",
             "--eval-every", "100", "--entropy-check-rows", "4", "--no-check-sampling-logprobs", "--threads", "1",
-            "--out", out, *extra]
+            "--out", out]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_TRIM_THRESHOLD_": "1048576"}
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = read_rows(out)
     peak = max(row["perf/peak_memory_mb"] for row in rows[1:]) - rows[0]["memory/process_before_model_mb"]
@@ -2429,18 +2432,13 @@ def measured_run(model_dir: str, data: str, out: str, prompts: int, micro: int, 
     return peak, estimate
 
 
-def test_memory_plan_is_within_25_percent_of_the_measured_peak(qwen_vocab_model, tmp_path):
-    model_dir, data = qwen_vocab_model
-    for prompts, micro in ((4, 4), (2, 8)):
-        peak, estimate = measured_run(model_dir, data, str(tmp_path / f"p{prompts}m{micro}"), prompts, micro)
-        assert abs(estimate - peak) <= 0.25 * peak, (prompts, micro, peak, estimate)
+def test_memory_plan_is_within_25_percent_of_the_measured_peak(measured_runs):
+    for config, (peak, estimate) in measured_runs.items():
+        assert abs(estimate - peak) <= 0.25 * peak, (config, peak, estimate)
 
 
-def test_doubling_the_rollout_at_a_fixed_micro_batch_raises_the_peak_less_than_20_percent(qwen_vocab_model,
-                                                                                        tmp_path):
-    model_dir, data = qwen_vocab_model
-    small, _ = measured_run(model_dir, data, str(tmp_path / "small"), 4, 4)
-    large, _ = measured_run(model_dir, data, str(tmp_path / "large"), 8, 4)
+def test_doubling_the_rollout_at_a_fixed_micro_batch_raises_the_peak_less_than_20_percent(measured_runs):
+    (small, _), (large, _) = measured_runs[(4, 4)], measured_runs[(8, 4)]
     assert large < 1.2 * small, (small, large)
 
 
