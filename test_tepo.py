@@ -2802,6 +2802,7 @@ def test_unreachable_hub_is_detected_in_seconds(monkeypatch):
     assert ts.HUB_PROBE_SECONDS < 10
     monkeypatch.setattr(ts, "HUB_PROBE_SECONDS", 2)      # the same path, faster
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TEPO_HUB_UNREACHABLE", raising=False)
     for module in ("huggingface_hub.constants", "datasets.config"):
         if module in sys.modules:
             monkeypatch.setattr(sys.modules[module], "HF_HUB_OFFLINE", sys.modules[module].HF_HUB_OFFLINE)
@@ -2809,6 +2810,7 @@ def test_unreachable_hub_is_detected_in_seconds(monkeypatch):
     reason = ts.use_offline_hub_if_unreachable()
     silent.close()
     assert 2 <= time.time() - t0 < 10 and "unreachable" in reason and os.environ["HF_HUB_OFFLINE"] == "1"
+    assert ts.use_offline_hub_if_unreachable() == reason              # later loads: no probe, the same reason
 
 
 def test_unreachable_hub_is_one_line_in_a_real_process(tmp_path):

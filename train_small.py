@@ -1935,13 +1935,14 @@ def cannot_load(what: str, name: str, e: Exception, offline_reason: str | None, 
 
 
 def use_offline_hub_if_unreachable() -> str | None:
-    """Probe the Hugging Face hub once (at most HUB_PROBE_SECONDS). If it does not answer, switch the
-    hub libraries to offline mode, so loading uses the local cache at once instead of retrying for a
-    minute, and return why (for the error message); None if the hub answered or offline mode is on."""
+    """Probe the Hugging Face hub (at most HUB_PROBE_SECONDS). If it does not answer, switch the hub
+    libraries to offline mode, so loading uses the local cache at once instead of retrying for a
+    minute, and return why (for the error message); None if the hub answered. Once offline mode is on,
+    no probe: the reason is returned if a probe turned it on (TEPO_HUB_UNREACHABLE), else None."""
     import urllib.error
     import urllib.request
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
-        return None
+        return os.environ.get("TEPO_HUB_UNREACHABLE")
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     try:
         urllib.request.urlopen(endpoint, timeout=HUB_PROBE_SECONDS).close()
@@ -1950,7 +1951,7 @@ def use_offline_hub_if_unreachable() -> str | None:
         return None
     except Exception as e:  # noqa: BLE001 -- no network, DNS, timeout, proxy: all mean "unreachable"
         reason = f"the Hugging Face hub ({endpoint}) is unreachable ({first_line(getattr(e, 'reason', e))})"
-    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["HF_HUB_OFFLINE"], os.environ["TEPO_HUB_UNREACHABLE"] = "1", reason
     for module in ("huggingface_hub.constants", "datasets.config"):     # read the variable when imported
         if module in sys.modules:
             sys.modules[module].HF_HUB_OFFLINE = True
