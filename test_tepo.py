@@ -2127,38 +2127,6 @@ def micro_run(model, tokenizer, args, objective, ref_model=None, lr=1e-3, **over
 
 # ---- command line -------------------------------------------------------------------------------
 
-def test_help_works():
-    out = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0
-    for flag in ("--objective", "--eps-low", "--kl-target", "--resume", "--compare", "--bench"):
-        assert flag in out.stdout
-
-
-@pytest.mark.parametrize("argv, needle", [
-    (["--objective", "nope"], "nope"),
-    (["--pass-k", "0"], "pass-k"),
-    (["--group-size", "1"], "group-size"),
-    (["--lr", "-1e-4"], "lr"),
-    (["--model", "./no/such/dir"], "no/such/dir"),
-    (["--dataset", "missing.jsonl"], "missing.jsonl"),
-    (["--resume", "runs/not-there"], "not-there"),
-    (["--compare", "grpo,bogus"], "bogus"),
-    (["--aggregation", "median"], "median"),
-    (["--eps-low", "-0.1"], "eps_low"),
-    (["--steps", "x"], "x"),
-    (["--no-such-flag"], "no-such-flag"),
-    (["--ops", "/"], "ops"),
-    (["--mini-batches", "0"], "mini-batches"),
-] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "cuda")]))
-def test_bad_flags_give_one_line(argv, needle, capsys):
-    with pytest.raises(SystemExit) as e:
-        ts.main(argv)
-    assert e.value.code != 0
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1, err
-    assert needle in err and "Traceback" not in err
-
-
 def test_bad_flag_in_a_real_process_and_offline_hub():
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}   # fail fast instead of waiting for the network
     for argv in (["--objective", "nope"], ["--model", "some-org/some-model", "--steps", "1"]):
@@ -2574,6 +2542,427 @@ def test_non_tepo_run_writes_no_details(workdir):
 
 
 
+# ---- command line: validation, fuzz, resume safety ----------------------------------------------------
+# Bad input of any kind is one line on stderr, exit status 2, no traceback and nothing on disk; a run
+# directory is never damaged by --resume, a kill -9 or Ctrl-C.
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import io  # noqa: E402
+import signal  # noqa: E402
+import time  # noqa: E402
+
+
+def parse_outcome(argv):
+    """(exit status or None if accepted, stderr lines) of ts.parse_args, in-process."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            ts.parse_args(argv)
+            code = None
+        except SystemExit as e:
+            code = e.code
+    return code, err.getvalue().splitlines()
+
+
+def assert_refused_in_one_line(argv, *needles):
+    code, lines = parse_outcome(argv)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("train_small.py: error: "), (argv, code, lines)
+    for needle in needles:
+        assert needle in lines[0], (argv, needle, lines)
+    return lines[0]
+
+
+def non_hidden_flags():
+    """(field name, kind) of every flag, Args and objective settings, except the hidden --stop-after."""
+    return [(name, kind) for name, (kind, _) in ts.FIELD_KINDS.items() if name != "stop_after"]
+
+
+FUZZ_NUMBERS = ["0", "-1", "-0.5", "nan", "inf", "-inf", "1e300", "99999999999999999999", "x", ""]
+
+
+def test_fuzz_every_flag_with_hostile_values(tmp_path, monkeypatch):
+    """Every flag with zero, negative numbers, nan, inf, huge numbers and a wrong type: refused in one
+    line naming the flag, or accepted; nothing is created. nan and inf are refused for every float flag."""
+    monkeypatch.chdir(tmp_path)
+    accepted = []
+    for name, kind in non_hidden_flags():
+        flag = ts.flag(name)
+        for value in ["3", "maybe"] if kind == "bool" else FUZZ_NUMBERS:
+            argv = [f"{flag}={value}"]
+            code, lines = parse_outcome(argv)
+            if code is None:
+                assert all(line.startswith("train_small.py: warning: ") for line in lines), (argv, lines)
+                accepted.append(argv)
+                must_refuse = (kind == "float" and value in ("nan", "inf", "-inf")
+                               or kind == "int" and value in ("nan", "inf", "1e300", "99999999999999999999", "x"))
+                assert not must_refuse, argv
+            else:
+                assert code == 2 and len(lines) == 1 and lines[0].startswith("train_small.py: error: "), lines
+                assert flag in lines[0], (argv, lines)
+    assert ["--lr=1e300"] in accepted and ["--out=x"] in accepted      # huge but meaningful; a plain path
+    assert os.listdir(tmp_path) == []
+
+
+HOSTILE = [
+    ["--overlong-cache", "30", "--max-new-tokens", "10"], ["--n-embd", "30", "--n-head", "4"],
+    ["--arch", "qwen2", "--n-embd", "6", "--n-head", "2"], ["--mini-batches", "5", "--prompts-per-step", "4"],
+    ["--micro-batch-size", "9", "--prompts-per-step", "2", "--group-size", "4", "--mini-batches", "1"],
+    ["--difficulty", "1", "--ops", "+"], ["--ops=+-+"], ["--ops=/"], ["--compare", "grpo,grpo"],
+    ["--compare", "grpo,"], ["--compare="], ["--compare", "grpo,tepo", "--baseline", "dapo"],
+    ["--bench", "--compare", "grpo,tepo"], ["--clip-cov-lb", "6"], ["--clip-cov-ratio", "2"],
+    ["--seed", "2147483647", "--seeds", "2"], ["--dual-clip-c", "1"], ["--norm-constant=-1"],
+    ["--model", "a b"], ["--model", "./missing"], ["--dataset", "missing.jsonl"], ["--resume", "missing"],
+    ["--steps"], ["--no-such-flag"], ["--dry-run=yes"], ["--lr", "1e-4", "--lr", "nan"], ["--objective", "PPO"],
+    ["--threads", "100000"], ["--warmup-batch", "0"], ["--pass-k-problems", "0"], ["--n-layer", "-1"],
+    ["--n-head", "0"], ["--entropy-check-rows", "-1"], ["--target-accuracy", "1.5"], ["--sft-noise", "-0.1"],
+] + ([] if torch.cuda.is_available() else [["--device", "cuda"]])
+
+
+@pytest.mark.parametrize("argv", HOSTILE, ids=" ".join)
+def test_hostile_combinations_are_refused_in_one_line(argv, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert_refused_in_one_line(argv)
+    assert os.listdir(tmp_path) == []
+
+
+def test_refusals_name_the_flag_the_value_and_what_is_valid():
+    assert_refused_in_one_line(["--n-head", "0"], "--n-head", "'0'", "an integer >= 1")
+    assert_refused_in_one_line(["--overlong-cache", "30"], "--overlong-cache", "30", "1..24")
+    assert_refused_in_one_line(["--eps-low=-0.1"], "--eps-low", "-0.1", ">= 0")
+    assert_refused_in_one_line(["--clip-cov-lb", "6"], "--clip-cov-lb", "--clip-cov-ub (5.0)")
+    assert_refused_in_one_line(["--aggregation", "median"], "median", "seq-mean-token-mean")
+    assert_refused_in_one_line(["--objective", "nope"], "nope", "grpo", "tepo")
+    assert_refused_in_one_line(["--micro-batch-size", "9", "--prompts-per-step", "2", "--group-size", "4",
+                                "--mini-batches", "1"], "--micro-batch-size", "up to 8")
+
+
+def test_settings_the_objective_does_not_read_are_warned_about():
+    code, lines = parse_outcome(["--objective", "grpo", "--block-size", "8", "--kl-mode", "hard", "--eps-high", "0.3"])
+    assert code is None and len(lines) == 2, lines
+    assert "--block-size" in lines[0] and "grpo" in lines[0] and "mpo" in lines[0]
+    assert "--kl-mode" in lines[1] and "tepo" in lines[1]
+    # in --compare, a setting read by one of the compared objectives is not ignored
+    assert parse_outcome(["--compare", "grpo,mpo", "--block-size", "8"]) == (None, [])
+
+
+def test_real_processes_refuse_in_one_line_and_create_nothing(tmp_path):
+    for argv in (["--n-head", "0"], ["--lr=nan"], ["--n-embd", "30", "--n-head", "4"], ["--bogus"]):
+        out = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True, timeout=180,
+                             cwd=tmp_path)
+        assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert "Traceback" not in out.stderr and out.stdout == ""
+    assert os.listdir(tmp_path) == []
+
+
+def test_accepted_values_pass_the_dry_run(tmp_path, monkeypatch):
+    if "args.dry_run" not in Path(SCRIPT).read_text():
+        pytest.skip("--dry-run is not implemented yet")
+    monkeypatch.chdir(tmp_path)
+    for argv in (["--lr=1e300"], ["--temperature", "1e-300"], ["--eps-high", "1e300"], ["--steps", "2147483647"],
+                 ["--objective", "grpo", "--block-size", "8"], ["--micro-batch-size", "64"], ["--n-layer", "1"]):
+        assert ts.main([*argv, "--dry-run"]) == 0, argv
+
+
+def test_help_tells_the_truth():
+    parser = ts.build_parser()
+    text = parser.format_help()
+    shown = [a for a in parser._actions if a.help != argparse.SUPPRESS and a.dest != "help"]
+    assert {a.dest for a in shown} == {name for name, _ in non_hidden_flags()}     # every field, --stop-after hidden
+    assert "--stop-after" not in text
+    for action in shown:        # every flag has its own help text, not its name
+        assert action.help and action.help.split(" (default")[0] not in (action.dest, action.dest.replace("_", "-"))
+        assert action.help.lower().count("default") <= 1, action.help
+    assert "default: None" not in text and "(default: None)" not in text and "None" not in text
+    python_names = {n for n in dir(tepo) + dir(ts) if n.isupper() and len(n) > 3}
+    assert not [n for n in python_names if n in text] and not re.search(r"\b(tepo|ts)\.(?!py)", text)
+    beta = next(a.help for a in shown if a.dest == "beta")
+    assert "paper value" in beta and "0.04 (grpo)" in beta and "1 (kl_cov, tepo)" in beta
+    block = next(a.help for a in shown if a.dest == "block_size")
+    assert "4 (mpo)" in block and "grpo" not in block          # only the objectives that read it
+    assert "(default: 200)" in next(a.help for a in shown if a.dest == "steps")
+
+
+# ---- resume safety (no training: a fake run directory) ----------------------------------------------
+
+def fake_run(run_dir, step=2, **args):
+    """A run directory as train_small.py leaves it: config.json and checkpoint.pt (a tiny model)."""
+    os.makedirs(run_dir, exist_ok=True)
+    saved = ts.Args(**{"steps": 4, **args})
+    cfg, builtin = ts.objective_config(saved, {})
+    json.dump({"args": dataclasses.asdict(saved), "objective_overrides": {}, "builtin_overrides": builtin,
+               "objective_config": dataclasses.asdict(cfg)}, open(os.path.join(run_dir, "config.json"), "w"))
+    model = torch.nn.Linear(3, 3)
+    ts.save_checkpoint(str(run_dir), model, torch.optim.Adam(model.parameters()), step)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps({"step": s}) + "\n" for s in range(step + 1))
+    return str(run_dir)
+
+
+def snapshot(folder):
+    return {name: Path(folder, name).read_bytes() for name in sorted(os.listdir(folder))}
+
+
+def test_resume_refuses_damaged_or_incomplete_run_directories_and_changes_nothing(tmp_path):
+    cases = {
+        "no checkpoint": lambda d: os.remove(os.path.join(d, "checkpoint.pt")),
+        "truncated checkpoint": lambda d: Path(d, "checkpoint.pt").write_bytes(
+            Path(d, "checkpoint.pt").read_bytes()[:300]),
+        "garbage checkpoint": lambda d: Path(d, "checkpoint.pt").write_bytes(b"not a checkpoint"),
+        "damaged config.json": lambda d: Path(d, "config.json").write_text('{"args": {'),
+        "config.json of something else": lambda d: Path(d, "config.json").write_text("[1, 2]"),
+        "unknown setting": lambda d: Path(d, "config.json").write_text(
+            json.dumps({"args": {"warp_drive": 1}, "objective_overrides": {}})),
+        "no config.json": lambda d: os.remove(os.path.join(d, "config.json")),
+    }
+    for what, damage in cases.items():
+        run_dir = fake_run(tmp_path / what.replace(" ", "_"))
+        damage(run_dir)
+        before = snapshot(run_dir)
+        assert_refused_in_one_line(["--resume", run_dir], "--resume")
+        assert snapshot(run_dir) == before, what
+    # a flipped byte inside a tensor: the zip checksum catches what loading would not
+    run_dir = fake_run(tmp_path / "flipped")
+    data = bytearray(Path(run_dir, "checkpoint.pt").read_bytes())
+    import zipfile
+    member = next(i for i in zipfile.ZipFile(io.BytesIO(bytes(data))).infolist() if "/data/0" in i.filename)
+    start = member.header_offset + 30 + int.from_bytes(data[member.header_offset + 26:member.header_offset + 28],
+                                                       "little") \
+        + int.from_bytes(data[member.header_offset + 28:member.header_offset + 30], "little")
+    data[start] ^= 0xFF
+    Path(run_dir, "checkpoint.pt").write_bytes(bytes(data))
+    assert_refused_in_one_line(["--resume", run_dir], "damaged", "checksum")
+
+
+def test_resume_refuses_flags_that_change_what_is_computed(tmp_path):
+    run_dir = fake_run(tmp_path / "run")
+    line = assert_refused_in_one_line(["--resume", run_dir, "--lr", "5", "--objective", "dapo", "--eps-high", "0.3"],
+                                      "--lr 5.0", "--objective 'dapo'", "--eps-high 0.3")
+    assert "--threads" not in line
+    assert_refused_in_one_line(["--resume", run_dir, "--out", str(tmp_path / "elsewhere")], "--out")
+    # the saved value, run-only flags and --steps are fine
+    args, overrides = ts.parse_args(["--resume", run_dir, "--objective", "tepo", "--eps-high", "0.0004",
+                                     "--threads", "1", "--steps", "9"])
+    assert (args.objective, args.steps, args.threads, args.out, overrides) == ("tepo", 9, 1, run_dir, {})
+    assert ts.parse_args(["--resume", run_dir])[0].steps == 4                 # the saved length
+    assert_refused_in_one_line(["--resume", run_dir, "--steps", "1"], "--steps", ">= 2")   # below the checkpoint
+    assert_refused_in_one_line(["--resume", run_dir, "--compare", "grpo,tepo"], "--resume", "--compare")
+    # a fresh run may not overwrite a run directory that holds a checkpoint
+    assert_refused_in_one_line(["--out", run_dir], "--out", f"--resume {run_dir}")
+
+
+def test_resume_args_keeps_saved_settings_and_takes_run_only_fields():
+    saved_args = ts.Args(objective="grpo", lr=3e-4, steps=10, threads=2)
+    saved = {"args": dataclasses.asdict(saved_args), "objective_overrides": {"beta": 0.1}}
+    cli = ts.Args(resume="r", threads=1, steps=20, lr=3e-4)
+    args, overrides = ts.resume_args(cli, {}, {"resume", "threads", "steps", "lr"}, saved, checkpoint_step=7)
+    assert (args.objective, args.lr, args.threads, args.steps, args.out, args.resume) == ("grpo", 3e-4, 1, 20, "r", "r")
+    assert overrides == {"beta": 0.1}
+
+
+# ---- logs and files: cut-off lines, atomic rewrites ---------------------------------------------------
+
+def test_read_log_skips_a_cut_off_last_line_and_truncate_log_rewrites_atomically(tmp_path):
+    path = str(tmp_path / "metrics.jsonl")
+    Path(path).write_text('{"step": 0}\n{"step": 1, "x": 0.5}\n{"step": 2}\n{"step": 3, "x": 0.')
+    assert ts.read_log(path) == [{"step": 0}, {"step": 1, "x": 0.5}, {"step": 2}]
+    ts.truncate_log(path, 2)
+    assert Path(path).read_text() == '{"step": 0}\n{"step": 1, "x": 0.5}\n'
+    assert os.listdir(tmp_path) == ["metrics.jsonl"]                         # no temp file left
+    Path(path).write_text('{"step": 0}\nnot json\n{"step": 2}\n')
+    with pytest.raises(SystemExit):
+        ts.read_log(path)
+
+
+def test_write_atomically_keeps_the_old_file_when_the_write_fails(tmp_path):
+    path = str(tmp_path / "config.json")
+    Path(path).write_text("old")
+    Path(tmp_path, ".config.json-stale").write_text("left by a killed write")
+
+    def broken(f):
+        f.write(b"half")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        ts.write_atomically(path, broken)
+    assert Path(path).read_text() == "old" and os.listdir(tmp_path) == ["config.json"]
+    ts.write_atomically(path, lambda f: f.write(b"new"))
+    assert Path(path).read_text() == "new"
+
+
+# ---- loading: an unreachable hub in seconds, a bad .jsonl by line, --bench without trl, --cache-dir ------
+
+def test_unreachable_hub_is_detected_in_seconds(monkeypatch):
+    """A hub that accepts the connection but never answers (a local socket nobody serves) is given up
+    after HUB_PROBE_SECONDS, and the hub libraries are switched to offline mode so loading fails at once."""
+    import socket
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{silent.getsockname()[1]}")
+    assert ts.HUB_PROBE_SECONDS < 10
+    monkeypatch.setattr(ts, "HUB_PROBE_SECONDS", 2)      # the same path, faster
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TEPO_HUB_UNREACHABLE", raising=False)
+    for module in ("huggingface_hub.constants", "datasets.config"):
+        if module in sys.modules:
+            monkeypatch.setattr(sys.modules[module], "HF_HUB_OFFLINE", sys.modules[module].HF_HUB_OFFLINE)
+    t0 = time.time()
+    reason = ts.use_offline_hub_if_unreachable()
+    silent.close()
+    assert 2 <= time.time() - t0 < 10 and "unreachable" in reason and os.environ["HF_HUB_OFFLINE"] == "1"
+    assert ts.use_offline_hub_if_unreachable() == reason              # later loads: no probe, the same reason
+
+
+def test_unreachable_hub_is_one_line_in_a_real_process(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    t0 = time.time()
+    out = subprocess.run([sys.executable, SCRIPT, "--model", "gpt2", "--steps", "1"], capture_output=True,
+                         text=True, timeout=180, env=env, cwd=tmp_path)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and "unreachable" in lines[0], out.stderr
+    assert "without --model" in lines[0] and os.listdir(tmp_path) == []
+    print(f"unreachable hub reported in {time.time() - t0:.1f} s (process start included)")
+
+
+def test_malformed_jsonl_is_reported_by_file_and_line(tmp_path):
+    for text, needles in [('{"question": "q", "answer": "#### 1"}\n{"question": "q" "answer": "a"}\n',
+                           ("line 2", "not valid JSON")),
+                          ('\n{"question": "q"}\n', ("line 2", "question and answer")),
+                          ("", ("no rows",))]:
+        path = tmp_path / "data.jsonl"
+        path.write_text(text)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+            ts.load_task(ts.Args(dataset=str(path)))
+        assert e.value.code == 2 and len(err.getvalue().splitlines()) == 1
+        assert str(path) in err.getvalue() and all(n in err.getvalue() for n in needles), err.getvalue()
+        assert "hub" not in err.getvalue()
+
+
+def test_bench_without_trl_says_how_to_install_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "trl", None)            # import trl raises ImportError
+    with pytest.raises(SystemExit) as e:
+        ts.main(["--bench"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "pip install" in err[0] and os.listdir(tmp_path) == []
+
+
+def test_cache_dir_flag_places_and_prints_the_warm_up_cache(tmp_path, capsys):
+    args = ts.Args(cache_dir=str(tmp_path / "my-cache"))
+    cache = ts.warmup_cache_dir(args)
+    assert cache.startswith(str(tmp_path / "my-cache" / "warmup-"))
+    assert ts.warmup_cache_dir(dataclasses.replace(args, cache_dir="elsewhere")).endswith(os.path.basename(cache))
+    os.makedirs(cache)
+    Path(cache, "config.json").write_text("{}")
+    assert ts.prepare_start_model(args, None, torch.device("cpu")) == cache
+    assert cache in capsys.readouterr().out
+
+
+# ---- end to end: --steps extends a run, Ctrl-C, kill -9 ---------------------------------------------
+
+KILL_ARGS = [*MICRO, "--objective", "tepo", "--steps", "4"]
+
+
+@pytest.fixture(scope="module")
+def four_steps(workdir):
+    """The uninterrupted run that extended, interrupted and killed runs must reproduce."""
+    run_main([*KILL_ARGS, "--out", "runs/four_steps"])
+    return without_timing(read_rows("runs/four_steps"))
+
+
+def test_steps_extends_a_finished_run_like_an_uninterrupted_one(four_steps):
+    """3 steps, then --resume --steps 4, equals 4 steps at once. Step 3's final evaluation (off the
+    --eval-every 2 schedule) stays in its row as an extra measurement and does not touch the RNG."""
+    run_main([*KILL_ARGS, "--steps", "3", "--out", "runs/ext"])
+    run_main(["--resume", "runs/ext", "--steps", "4"])
+    extended = without_timing(read_rows("runs/ext"))
+    assert [r["step"] for r in extended] == [0, 1, 2, 3, 4]
+    assert "eval/accuracy" in extended[3] and "eval/accuracy" not in four_steps[3]
+    assert {k: v for k, v in extended[3].items() if not k.startswith("eval/")} == four_steps[3]
+    assert extended[:3] == four_steps[:3] and extended[4:] == four_steps[4:]
+    assert json.load(open("runs/ext/config.json"))["args"]["steps"] == 3     # the saved settings are kept
+    assert json.load(open("runs/ext/summary.json"))["final_accuracy"] == four_steps[4]["eval/accuracy"]
+    assert read_details("runs/ext") == read_details("runs/four_steps")
+
+
+def assert_whole_rows_without_duplicates(run_dir):
+    text = Path(run_dir, "metrics.jsonl").read_text()
+    assert text.endswith("\n")
+    steps = [json.loads(line)["step"] for line in text.splitlines()]
+    assert steps == list(range(len(steps))), steps
+
+
+def start_process(argv, **env):
+    return subprocess.Popen([sys.executable, SCRIPT, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, **env})
+
+
+def wait_until(condition, process, timeout=240):
+    t0 = time.time()
+    while not condition():
+        assert process.poll() is None, f"the run ended before the awaited moment: {process.stderr.read()}"
+        assert time.time() - t0 < timeout
+        time.sleep(0.01)
+
+
+def rows_in(run_dir):
+    path = Path(run_dir, "metrics.jsonl")
+    return path.read_text().count("\n") if path.exists() else 0
+
+
+def writing_checkpoint(run_dir):
+    return os.path.isdir(run_dir) and any(n.startswith(".checkpoint.pt-") for n in os.listdir(run_dir))
+
+
+def test_ctrl_c_finishes_the_step_and_says_how_to_resume(workdir):
+    out = "runs/ctrl_c"
+    process = start_process([*MICRO, "--objective", "grpo", "--steps", "40", "--out", out])
+    wait_until(lambda: rows_in(out) >= 2, process)
+    process.send_signal(signal.SIGINT)
+    stderr = process.communicate(timeout=120)[1]
+    assert process.returncode == 130, stderr
+    last = stderr.strip().splitlines()[-1]
+    m = re.fullmatch(r"interrupted at step (\d+); resume with: python train_small.py --resume runs/ctrl_c", last)
+    assert m and "Traceback" not in stderr, stderr
+    assert_whole_rows_without_duplicates(out)
+    assert rows_in(out) == int(m[1]) + 1                                    # the step's row was flushed
+    assert torch.load(Path(out, "checkpoint.pt"), weights_only=True)["step"] == int(m[1])
+
+
+def test_kill_9_at_any_moment_loses_at_most_the_steps_since_the_checkpoint(four_steps):
+    """SIGKILL during the first checkpoint, during a later checkpoint write (after its step's row was
+    logged), and in the middle of a step; each time --resume (or a fresh start when there is no
+    checkpoint yet) goes on, and the finished log equals an uninterrupted run's."""
+    out, slow = "runs/killed", {"TEPO_TEST_CHECKPOINT_SLEEP": "1.5"}
+    # 1. during checkpoint 0: nothing to resume, and --resume says so without touching the directory
+    process = start_process([*KILL_ARGS, "--out", out], **slow)
+    wait_until(lambda: writing_checkpoint(out), process)
+    process.kill()
+    process.wait()
+    before = snapshot(out)
+    assert_refused_in_one_line(["--resume", out], "no checkpoint.pt")
+    assert snapshot(out) == before
+    # 2. a fresh start in the same directory, killed while writing the checkpoint of step 2
+    process = start_process([*KILL_ARGS, "--out", out], **slow)
+    wait_until(lambda: rows_in(out) >= 3 and writing_checkpoint(out), process)
+    process.kill()
+    process.wait()
+    assert torch.load(Path(out, "checkpoint.pt"), weights_only=True)["step"] == 1     # the previous one, whole
+    # 3. resumed, and killed in the middle of the next step (after its checkpoint is in place)
+    process = start_process(["--resume", out], **slow)
+    wait_until(lambda: rows_in(out) >= 3 and writing_checkpoint(out), process)
+    wait_until(lambda: not writing_checkpoint(out), process)
+    process.kill()
+    process.wait()
+    # 4. resumed to the end: the same rows as an uninterrupted run, each step once, no cut-off line
+    run_main(["--resume", out])
+    assert_whole_rows_without_duplicates(out)
+    assert without_timing(read_rows(out)) == four_steps
+    assert read_details(out) == read_details("runs/four_steps")
+    assert not [n for n in os.listdir(out) if n.startswith(".")]            # no temp file left behind
+
+
 # =============================================================================
 # 16. notebooks
 # =============================================================================
@@ -2741,12 +3130,14 @@ def test_trl_engine_two_steps(case, trl_model):
 
 
 def test_trl_engine_bad_split_is_one_line(trl_model, capsys):
-    """A rollout of 2 x 4 completions cannot make 3 mini-batches: exit 2, one line, nothing written."""
+    """A rollout of 3 x 3 completions cannot make 2 mini-batches: exit 2, one line, nothing written.
+    (With 2 prompts, 3 mini-batches are refused earlier, by the command line: a mini-batch holds whole groups.)"""
     with pytest.raises(SystemExit) as exc:
-        ts.main([*MICRO, "--engine", "trl", "--mini-batches", "3", "--out", "runs/trl_bad"])
+        ts.main([*MICRO, "--engine", "trl", "--prompts-per-step", "3", "--group-size", "3", "--mini-batches", "2",
+                 "--out", "runs/trl_bad"])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "--mini-batches=3" in err and "divisor" in err
+    assert len(err.splitlines()) == 1 and "--mini-batches=2" in err and "divisor" in err
     assert not os.path.exists("runs/trl_bad")
 
 

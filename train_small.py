@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import inspect
 import json
@@ -67,9 +68,11 @@ import os
 import random
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
+import zipfile
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
@@ -89,28 +92,28 @@ import tepo  # noqa: E402
 @dataclass
 class Args:
     # --- run ---
-    objective: str = "tepo"             # any key of tepo.OBJECTIVES (paper defaults from tepo.PAPER_DEFAULTS)
+    objective: str = "tepo"             # the RL objective; it picks the paper values of the objective settings below
     seed: int = 1                       # seeds python, torch, the task split and generation
-    out: str | None = None              # run directory (default runs/<task>__<objective>__<seed>__<time>)
-    device: str = "auto"                # auto (cuda if available) | cpu | cuda
+    out: str | None = None              # run directory (default: runs/<task>__<objective>__<seed>__<time>)
+    device: str = "auto"                # auto: cuda if available, else cpu
     threads: int = 2                    # torch CPU threads (the machine is shared)
     steps: int = 200                    # RL steps (one rollout each)
     save_every: int = 50                # checkpoint every N steps (and at the end)
-    engine: str = "tepo"                # tepo: this file's loop | trl: TRL's GRPOTrainer with a tepo objective
-    cache_dir: str = "runs/cache"       # where the warmed-up built-in model is cached
+    engine: str = "tepo"                # tepo: this file's loop; trl: TRL's GRPOTrainer with a tepo objective
+    cache_dir: str = "runs/cache"       # where the warmed-up built-in model is cached (relative: to the current dir)
     dry_run: bool = False               # print the memory plan and exit without loading the model
     force: bool = False                 # run even when the memory plan says it will not fit the device
     # --- model ---
-    model: str | None = None            # causal-LM id or local path; None = built-in tiny model
-    trust_remote_code: bool = False     # allow custom model code from the hub (off by default)
-    arch: str = "gpt2"                  # built-in model architecture: gpt2 | qwen2
+    model: str | None = None            # causal LM: Hugging Face id or local dir (default: the built-in tiny model)
+    trust_remote_code: bool = False     # allow custom model code from the hub
+    arch: str = "gpt2"                  # built-in model: architecture
     n_layer: int = 4                    # built-in model: transformer layers
     n_embd: int = 128                   # built-in model: width
     n_head: int = 4                     # built-in model: attention heads
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
-    precision: str = "fp32"             # fp32 | bf16: bf16 runs the forward passes under autocast
+    precision: str = "fp32"             # bf16 runs the forward passes under autocast
     # --- task ---
-    dataset: str | None = None          # openai/gsm8k, a local dataset dir or a .jsonl; None = built-in arithmetic
+    dataset: str | None = None          # openai/gsm8k, a local dataset dir or .jsonl (default: built-in arithmetic)
     difficulty: int = 15                # built-in task: largest operand
     ops: str = "+-*"                    # built-in task: operations to draw from (any of + - *)
     sft_noise: float = 0.5              # built-in task: fraction of warm-up demonstrations that misread the problem
@@ -126,11 +129,11 @@ class Args:
     temperature: float = 1.0            # sampling temperature (log-probs are computed at the same one)
     max_new_tokens: int = 24            # completion length limit (tokens)
     max_prompt_tokens: int = 256        # prompts longer than this are cut from the left
-    reward: str = "strict"              # which parsing gives reward 1: strict | lenient
+    reward: str = "strict"              # which parsing of the answer gives reward 1
     overlong_cache: int = 6             # DAPO soft overlong punishment: length of the penalty ramp
     # --- update ---
     lr: float = 1e-4                    # RL learning rate (Adam, beta2 0.999, no weight decay)
-    lr_warmup_steps: int = 20           # RL steps over which the lr rises linearly from 0 (Adam's first steps are sign-like)
+    lr_warmup_steps: int = 20           # RL steps of linear lr warm-up from 0 (Adam's first steps are sign-like)
     mini_batches: int = 2               # optimizer steps per rollout per epoch (>= 2 lets clipping act)
     epochs: int = 1                     # passes over each rollout
     micro_batch_size: int = 0           # rows per forward and backward (0: the whole mini-batch)
@@ -168,6 +171,7 @@ RUN_ONLY_FIELDS = ("resume", "stop_after", "compare", "seeds", "baseline", "benc
                    "cache_dir", "dry_run", "force")
 
 
+@functools.cache      # reading the source is slow, and parse_args runs it for every command line
 def field_comments(cls) -> dict[str, str]:
     """The one-line comment of each dataclass field, read from the source: the --help text."""
     comments = {}
@@ -178,48 +182,266 @@ def field_comments(cls) -> dict[str, str]:
     return comments
 
 
-OBJECTIVE_CHOICES = {      # the str fields of tepo.ObjectiveConfig and their valid values
-    "kl_estimator": tepo.KL_ESTIMATORS, "aggregation": tepo.AGGREGATIONS,
-    "advantage_scale": tepo.ADVANTAGE_SCALES, "ratio_mode": tepo.RATIO_MODES,
-    "entropy_criterion": tepo.ENTROPY_CRITERIA, "kl_target": tepo.KL_TARGETS, "kl_mode": tepo.KL_MODES,
-    "block_ratio": tepo.BLOCK_RATIOS, "block_agg": tepo.BLOCK_AGGREGATIONS,
+# ---- valid values of every flag --------------------------------------------------------------------
+# One table, checked before anything is created or loaded: a bad value is one line on stderr naming
+# the flag, the value and what is valid, exit status 2. On top of each row: numbers must be finite
+# (nan and inf are refused for every float flag) and integers at most INT_LIMIT. The objective
+# settings' ranges are tepo.check_config's (reused, not repeated here), plus the rows marked below.
+INT_LIMIT = 2**31 - 1
+HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")   # a Hugging Face id: name or org/name
+
+
+def at_least(low: int) -> tuple:
+    return f"an integer >= {low}", lambda v: v >= low, None
+
+
+def positive() -> tuple:
+    return "a number > 0", lambda v: v > 0, None
+
+
+def fraction() -> tuple:
+    return "a number in [0, 1]", lambda v: 0 <= v <= 1, None
+
+
+def one_of(choices) -> tuple:
+    return "one of: " + ", ".join(choices), lambda v: v in choices, list(choices)
+
+
+def path(what: str, ok) -> tuple:
+    return what, lambda v: v != "" and ok(os.path.expanduser(v)), None
+
+
+def hub_id_or_local(v: str) -> bool:
+    """A Hugging Face id, or a path (starting with . / ~, or naming a .json / .jsonl file) that exists."""
+    if v.startswith((".", "/", "~")) or v.endswith((".json", ".jsonl")) or os.path.exists(v):
+        return os.path.exists(v)
+    return HUB_ID.fullmatch(v) is not None
+
+
+def objective_list(v: str) -> bool:
+    names = v.split(",")
+    return len(set(names)) == len(names) and all(n in tepo.OBJECTIVES for n in names)
+
+
+# field -> (what a valid value is, test of one value, choices shown by --help or None)
+VALID: dict[str, tuple] = {
+    # --- run ---
+    "objective": one_of(sorted(tepo.OBJECTIVES)),
+    "seed": at_least(0),
+    "out": path("a directory path (not an existing file)", lambda p: not os.path.isfile(p)),
+    "device": one_of(["auto", "cpu", "cuda"]),
+    "threads": (f"an integer in 1..{os.cpu_count()} (this machine's cores)",
+                lambda v: 1 <= v <= (os.cpu_count() or 1), None),
+    "steps": at_least(1),
+    "save_every": at_least(1),
+    "engine": one_of(["tepo", "trl"]),
+    "cache_dir": path("a directory path (not an existing file)", lambda p: not os.path.isfile(p)),
+    # --- model ---
+    "model": path("a Hugging Face id (name or org/name) or an existing local directory", hub_id_or_local),
+    "arch": one_of(["gpt2", "qwen2"]),
+    "n_layer": at_least(1),
+    "n_embd": at_least(1),
+    "n_head": at_least(1),
+    "precision": one_of(["fp32", "bf16"]),
+    # --- task ---
+    "dataset": path("a Hugging Face id, or an existing local .jsonl / .json file or dataset directory",
+                    hub_id_or_local),
+    "difficulty": at_least(1),
+    "ops": ("a non-empty string of distinct characters from + - *",
+            lambda v: 0 < len(v) == len(set(v)) and set(v) <= set("+-*"), None),
+    "sft_noise": fraction(),
+    "n_train": at_least(1),
+    "n_test": at_least(1),
+    "warmup_steps": at_least(0),
+    "warmup_lr": positive(),
+    "warmup_batch": at_least(1),
+    # --- rollout ---
+    "prompts_per_step": at_least(1),
+    "group_size": ("an integer >= 2 (a group needs a baseline)", lambda v: v >= 2, None),
+    "temperature": positive(),
+    "max_new_tokens": at_least(1),
+    "max_prompt_tokens": at_least(1),
+    "reward": one_of(["strict", "lenient"]),
+    "overlong_cache": at_least(1),
+    # --- update ---
+    "lr": positive(),
+    "lr_warmup_steps": at_least(0),
+    "mini_batches": at_least(1),
+    "epochs": at_least(1),
+    "micro_batch_size": at_least(0),
+    "max_grad_norm": positive(),
+    # --- measurement ---
+    "eval_every": at_least(1),
+    "pass_k": at_least(1),
+    "pass_k_problems": at_least(1),
+    "entropy_check_rows": at_least(0),
+    "target_accuracy": fraction(),
+    # --- modes ---
+    "resume": path("an existing run directory", os.path.isdir),
+    "compare": ("a comma-separated list of distinct objectives from: " + ", ".join(sorted(tepo.OBJECTIVES)),
+                objective_list, None),
+    "seeds": at_least(1),
+    "baseline": one_of(sorted(tepo.OBJECTIVES)),
+    "bench_steps": at_least(1),
+    "stop_after": at_least(1),
+    # --- objective settings: the choices, and two fractions tepo.check_config only requires >= 0 ---
+    "kl_estimator": one_of(tepo.KL_ESTIMATORS), "aggregation": one_of(tepo.AGGREGATIONS),
+    "advantage_scale": one_of(tepo.ADVANTAGE_SCALES), "ratio_mode": one_of(tepo.RATIO_MODES),
+    "entropy_criterion": one_of(tepo.ENTROPY_CRITERIA), "kl_target": one_of(tepo.KL_TARGETS),
+    "kl_mode": one_of(tepo.KL_MODES), "block_ratio": one_of(tepo.BLOCK_RATIOS),
+    "block_agg": one_of(tepo.BLOCK_AGGREGATIONS),
+    "clip_cov_ratio": fraction(), "kl_cov_ratio": fraction(),
 }
 
 
-def optional_float(text: str):
-    return None if text.lower() == "none" else float(text)
+def rows_per_minibatch(args: Args) -> int:
+    """Rows of one (nominal) mini-batch: mini-batches hold whole groups."""
+    return rows_per_forward(dataclasses.replace(args, micro_batch_size=0))
+
+
+def builtin_task_size(args: Args) -> int:
+    """How many problems make_arithmetic_task draws at most for this --difficulty and --ops."""
+    return len(NAMES) * len(ITEMS) * len(args.ops) * args.difficulty ** 2 // 2
+
+
+# Rules that relate flags: (field, what is valid, test of the whole Args). The text may name other
+# flags' values as {field} and the derived sizes {rows_per_minibatch}, {builtin_task_size}.
+RELATIONS = [
+    ("overlong_cache", "an integer in 1..{max_new_tokens} (--max-new-tokens)",
+     lambda a: a.overlong_cache <= a.max_new_tokens),
+    ("n_embd", "a multiple of --n-head ({n_head})", lambda a: a.n_embd % a.n_head == 0),
+    ("n_embd", "a multiple of 2 x --n-head ({n_head}) with --arch qwen2 (its rotary embedding needs an even "
+     "head width)", lambda a: a.arch != "qwen2" or a.n_embd % (2 * a.n_head) == 0),
+    ("mini_batches", "an integer in 1..{prompts_per_step} (--prompts-per-step): a mini-batch holds whole groups",
+     lambda a: a.mini_batches <= a.prompts_per_step),
+    ("micro_batch_size", "0 (the whole mini-batch) or an integer up to {rows_per_minibatch}, the rows of a "
+     "mini-batch (ceil(prompts-per-step / mini-batches) x group-size)",
+     lambda a: a.micro_batch_size <= rows_per_minibatch(a)),
+    ("n_test", "an integer below {builtin_task_size}, the number of problems of the built-in task at this "
+     "--difficulty and --ops", lambda a: a.dataset is not None or a.n_test < builtin_task_size(a)),
+    ("seed", f"an integer with --seed + --seeds - 1 <= {INT_LIMIT}", lambda a: a.seed + a.seeds - 1 <= INT_LIMIT),
+    ("baseline", "one of the objectives of --compare ({compare})",
+     lambda a: a.compare is None or a.baseline in a.compare.split(",")),
+    ("device", "auto or cpu: CUDA is not available here", lambda a: a.device != "cuda" or torch.cuda.is_available()),
+    ("resume", "a run directory alone: --resume cannot be combined with --compare or --bench",
+     lambda a: a.resume is None or not (a.compare or a.bench)),
+    ("bench", "off with --compare (one mode at a time)", lambda a: not (a.bench and a.compare)),
+    ("out", "a directory that holds no run yet; continue the run in it with --resume {out}",
+     lambda a: a.resume or a.compare or a.bench or a.out is None
+     or not os.path.exists(os.path.join(a.out, "checkpoint.pt"))),
+]
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def field_kind(f: dataclasses.Field) -> tuple[str, bool]:
+    """(bool | int | float | str, whether None is allowed) of a dataclass field."""
+    text = str(f.type)
+    kind = next((k for k in ("bool", "int", "float") if k in text), "str")
+    return kind, "None" in text
+
+
+FIELD_KINDS = {f.name: field_kind(f) for cls in (Args, tepo.ObjectiveConfig) for f in dataclasses.fields(cls)}
+
+
+def invalid(name: str, value) -> str | None:
+    """None if `value` is a valid value of field `name` on its own, else what a valid value is."""
+    kind, optional = FIELD_KINDS[name]
+    valid, test, _ = VALID.get(name, ({"bool": "on or off", "int": "an integer", "float": "a finite number",
+                                       "str": "some text"}[kind], lambda v: True, None))
+    if value is None:
+        return None if optional else valid
+    if kind == "bool":
+        return None if isinstance(value, bool) else valid
+    if kind == "int" and not (isinstance(value, int) and not isinstance(value, bool) and abs(value) <= INT_LIMIT):
+        return f"{valid}, at most {INT_LIMIT}"
+    if kind == "float" and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                and math.isfinite(value)):
+        return valid if name not in VALID else f"{valid} (finite)"
+    if kind == "str" and not isinstance(value, str):
+        return valid
+    return None if test(value) else valid
+
+
+def converter(name: str):
+    """argparse type of field `name`: text -> value, refusing an invalid one with what is valid."""
+    kind, optional = FIELD_KINDS[name]
+
+    def convert(text: str):
+        if optional and kind != "str" and text.lower() == "none":
+            return None
+        try:
+            value = {"int": int, "float": float, "str": str}[kind](text)
+        except ValueError:
+            value = text
+        problem = invalid(name, value)
+        if problem:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}; choose {problem}"
+                                             + (" or none" if optional and kind != "str" else ""))
+        return value
+    return convert
+
+
+def paper_values(name: str) -> str:
+    """'0.2 (ppo, grpo); 0.28 (dapo)': the paper value of objective setting `name` for each objective
+    that reads it."""
+    by_value: dict[str, list[str]] = {}
+    for objective, fields in tepo.FIELDS_READ.items():
+        if name in fields:
+            v = getattr(tepo.PAPER_DEFAULTS[objective], name)
+            text = ("on" if v else "off") if isinstance(v, bool) else "none" if v is None else \
+                f"{v:g}" if isinstance(v, float) else str(v)
+            by_value.setdefault(text, []).append(objective)
+    if len(by_value) == 1 and len(next(iter(by_value.values()))) == len(tepo.OBJECTIVES):
+        return f"{next(iter(by_value))} (every objective)"
+    return "; ".join(f"{v} ({', '.join(objectives)})" for v, objectives in by_value.items())
+
+
+# Help texts that say how this script uses a setting, in place of tepo.ObjectiveConfig's comment.
+CLI_HELP = {"norm_constant": "C of seq-mean-token-sum-norm; none = --max-new-tokens (Dr. GRPO's max generation length)",
+            "overlong_penalty": "DAPO: add the soft overlong punishment (a ramp over the last --overlong-cache "
+                                "tokens) to the reward"}
+
+
+METAVARS = {"int": "N", "float": "X", "str": "TEXT"}
+
+
+def add_flag(container, name: str, text: str) -> None:
+    kind, _ = FIELD_KINDS[name]
+    text = text.replace("%", "%%")     # argparse %-formats help texts
+    if kind == "bool":
+        container.add_argument(flag(name), action=argparse.BooleanOptionalAction, help=text)
+    else:
+        choices = VALID.get(name, (None, None, None))[2]
+        container.add_argument(flag(name), type=converter(name), choices=choices, help=text,
+                               metavar="{" + ",".join(choices) + "}" if choices else METAVARS[kind])
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Flags for every field of Args and of tepo.ObjectiveConfig, generated from the dataclasses."""
+    """Flags for every field of Args and of tepo.ObjectiveConfig, generated from the dataclasses.
+    No defaults are set here (argparse.SUPPRESS): parsing returns only the flags given, and the
+    dataclasses' defaults fill in the rest, so the run knows which flags were given (--resume)."""
     parser = argparse.ArgumentParser(
-        description="Group-relative RL (GRPO, DAPO, GSPO, TEPO, ...) on a tiny model in one file.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        prog="train_small.py", usage="python train_small.py [options]", argument_default=argparse.SUPPRESS,
+        description="Group-relative RL (GRPO, DAPO, GSPO, TEPO, ...) on a tiny model in one file.")
+    parser.error = fail   # argparse's own errors (unknown flag, missing value) become one line too
     helps = field_comments(Args)
-    choices = {"objective": sorted(tepo.OBJECTIVES), "device": ["auto", "cpu", "cuda"],
-               "arch": ["gpt2", "qwen2"], "reward": ["strict", "lenient"]}
     for f in dataclasses.fields(Args):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helps[f.name])
+        if f.name == "stop_after":    # for the tests of --resume only
+            parser.add_argument(flag(f.name), type=converter(f.name), help=argparse.SUPPRESS)
             continue
-        kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
-        parser.add_argument(flag, type=kind, default=f.default, choices=choices.get(f.name), help=helps[f.name])
-    parser.error = fail   # argparse's own errors (bad choice, bad type) become one line too
-    group = parser.add_argument_group("objective settings (default: the objective's paper defaults, "
-                                      "tepo.PAPER_DEFAULTS; plus BUILTIN_OVERRIDES on the built-in task)")
+        default = ("on" if f.default else "off") if isinstance(f.default, bool) else f.default
+        shown = f.default is None or "(default" in helps[f.name]
+        add_flag(parser, f.name, helps[f.name] + ("" if shown else f" (default: {default})"))
+    group = parser.add_argument_group(
+        "objective settings", "Each defaults to the chosen objective's paper value (tepo.py section 2); "
+        "a setting the objective does not read is reported and has no effect.")
     obj_helps = field_comments(tepo.ObjectiveConfig)
     for f in dataclasses.fields(tepo.ObjectiveConfig):
-        flag = "--" + f.name.replace("_", "-")
-        text = obj_helps.get(f.name, f.name)
-        if isinstance(f.default, bool):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
-        elif f.name in OBJECTIVE_CHOICES:
-            group.add_argument(flag, choices=OBJECTIVE_CHOICES[f.name], default=None, help=text)
-        elif "None" in str(f.type):
-            group.add_argument(flag, type=optional_float, default=None, help=text + " ('none' allowed)")
-        else:
-            group.add_argument(flag, type=type(f.default), default=None, help=text)
+        text = CLI_HELP.get(f.name, re.sub(r"\bNone\b", "none", obj_helps[f.name]))
+        add_flag(group, f.name, f"{text}. Default: the objective's paper value: {paper_values(f.name)}")
     return parser
 
 
@@ -229,46 +451,57 @@ def fail(message: str) -> None:
     raise SystemExit(2)
 
 
+def warn(message: str) -> None:
+    print(f"train_small.py: warning: {message}", file=sys.stderr)
+
+
+def check_values(args: Args, obj_overrides: dict) -> None:
+    """Every value on its own (VALID), the objective settings (tepo.check_config) and the relations
+    between flags (RELATIONS); the first problem found ends the program in one line."""
+    values = [(f.name, getattr(args, f.name)) for f in dataclasses.fields(Args)] + list(obj_overrides.items())
+    for name, value in values:
+        problem = invalid(name, value)
+        if problem:
+            fail(f"argument {flag(name)}: invalid value {value!r}; choose {problem}")
+    for objective in args.compare.split(",") if args.compare else [args.objective]:
+        try:
+            tepo.config_for(objective, **obj_overrides)
+        except ValueError as e:       # "eps_low=-0.1 is not valid; choose a number >= 0"
+            m = re.fullmatch(r"(\w+)=(.*) is not valid; choose (.*)", str(e))
+            if not m:
+                fail(str(e))
+            valid = re.sub(r"\b([a-z]+(?:_[a-z]+)+)(=(\S+))?",       # field names and values as flags
+                           lambda f: flag(f[1]) + (f" ({f[3]})" if f[2] else "") if f[1] in FIELD_KINDS else f[0], m[3])
+            fail(f"argument {flag(m[1])}: invalid value {m[2]}; choose {valid}")
+    sizes = {"rows_per_minibatch": rows_per_minibatch(args), "builtin_task_size": builtin_task_size(args)}
+    for name, valid, test in RELATIONS:
+        if not test(args):
+            fail(f"argument {flag(name)}: invalid value {getattr(args, name)!r}; choose "
+                 + valid.format(**dataclasses.asdict(args), **sizes))
+
+
+def warn_ignored(args: Args, obj_overrides: dict) -> None:
+    """One warning line per objective setting given that no objective of this run reads (the run goes on)."""
+    objectives = args.compare.split(",") if args.compare else [args.objective]
+    for name in obj_overrides:
+        if not any(name in tepo.FIELDS_READ[o] for o in objectives):
+            readers = [o for o in tepo.OBJECTIVES if name in tepo.FIELDS_READ[o]]
+            warn(f"{flag(name)} has no effect: {', '.join(objectives)} does not read it "
+                 f"(read by: {', '.join(readers)})")
+
+
 def parse_args(argv=None) -> tuple[Args, dict]:
-    """Parse and validate the command line. Returns (args, objective overrides from flags)."""
-    parser = build_parser()
-    ns = vars(parser.parse_args(argv))
-    args = Args(**{f.name: ns[f.name] for f in dataclasses.fields(Args)})
-    obj_overrides = {f.name: ns[f.name] for f in dataclasses.fields(tepo.ObjectiveConfig) if ns[f.name] is not None}
-    checks = [("steps", args.steps >= 1, "an integer >= 1"), ("prompts-per-step", args.prompts_per_step >= 1, "an integer >= 1"),
-              ("group-size", args.group_size >= 2, "an integer >= 2 (a group needs a baseline)"),
-              ("mini-batches", args.mini_batches >= 1, "an integer >= 1"), ("epochs", args.epochs >= 1, "an integer >= 1"),
-              ("lr", args.lr > 0, "a number > 0"), ("warmup-lr", args.warmup_lr > 0, "a number > 0"),
-              ("warmup-steps", args.warmup_steps >= 0, "an integer >= 0"), ("lr-warmup-steps", args.lr_warmup_steps >= 0, "an integer >= 0"), ("temperature", args.temperature > 0, "a number > 0"),
-              ("max-new-tokens", args.max_new_tokens >= 1, "an integer >= 1"), ("pass-k", args.pass_k >= 1, "an integer >= 1 (K)"),
-              ("eval-every", args.eval_every >= 1, "an integer >= 1"), ("save-every", args.save_every >= 1, "an integer >= 1"),
-              ("difficulty", args.difficulty >= 1, "an integer >= 1"), ("n-test", args.n_test >= 1, "an integer >= 1"),
-              ("n-train", args.n_train >= 1, "an integer >= 1"), ("threads", args.threads >= 1, "an integer >= 1"),
-              ("seeds", args.seeds >= 1, "an integer >= 1"), ("max-grad-norm", args.max_grad_norm > 0, "a number > 0"),
-              ("overlong-cache", 0 < args.overlong_cache <= args.max_new_tokens, "an integer in 1..max-new-tokens"),
-              ("n-embd", args.n_embd % args.n_head == 0, "a multiple of --n-head"),
-              ("sft-noise", 0 <= args.sft_noise <= 1, "a fraction in [0, 1]"),
-              ("ops", len(args.ops) > 0 and set(args.ops) <= set("+-*"), "a non-empty string of + - *")]
-    for name, ok, valid in checks:
-        if not ok:
-            fail(f"argument --{name}: invalid value {getattr(args, name.replace('-', '_'))!r}; choose {valid}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        fail("argument --device: invalid value 'cuda': CUDA is not available here; choose auto or cpu")
-    for name in ("resume", "dataset", "model"):
-        value = getattr(args, name)
-        looks_local = value is not None and (value.startswith((".", "/", "~")) or value.endswith(".jsonl")
-                                             or name == "resume")
-        if looks_local and not os.path.exists(os.path.expanduser(value)):
-            fail(f"argument --{name}: path {value!r} does not exist; give an existing path"
-                 + ("" if name == "resume" else " or a Hugging Face id"))
-    if args.compare:
-        bad = [o for o in args.compare.split(",") if o not in tepo.OBJECTIVES]
-        if bad:
-            fail(f"argument --compare: invalid objective {bad[0]!r}; choose from {', '.join(sorted(tepo.OBJECTIVES))}")
-    try:
-        tepo.config_for(args.objective, **obj_overrides)
-    except ValueError as e:
-        fail(str(e))
+    """Parse and validate the command line. Returns (args, objective overrides from flags).
+    With --resume: the run's saved settings, with the command line's run-only fields and --steps."""
+    given = vars(build_parser().parse_args(argv))            # only the flags on the command line
+    args = Args(**{k: v for k, v in given.items() if k in Args.__dataclass_fields__})
+    obj_overrides = {k: v for k, v in given.items() if k not in Args.__dataclass_fields__}
+    if args.resume:
+        saved, checkpoint_step = check_resumable(args.resume)
+        args, obj_overrides = resume_args(args, obj_overrides, set(given), saved, checkpoint_step)
+    check_values(args, obj_overrides)
+    if not args.resume:
+        warn_ignored(args, obj_overrides)
     return args, obj_overrides
 
 
@@ -353,8 +586,11 @@ def load_task(args: Args):
         return make_arithmetic_task(args.difficulty, args.n_train, args.n_test, args.seed, args.ops, args.sft_noise)
     import datasets
     path = os.path.expanduser(args.dataset)
+    offline_reason = None if os.path.exists(path) else use_offline_hub_if_unreachable()
     try:
-        if path.endswith(".jsonl") or path.endswith(".json"):
+        if path.endswith(".jsonl"):
+            data = datasets.Dataset.from_list(read_jsonl_task(path))
+        elif path.endswith(".json"):
             data = datasets.load_dataset("json", data_files=path)
         elif os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_dict.json")):
             data = datasets.load_from_disk(path)
@@ -363,15 +599,44 @@ def load_task(args: Args):
         else:
             data = datasets.load_dataset(args.dataset, "main" if args.dataset.endswith("gsm8k") else None)
     except Exception as e:  # noqa: BLE001 -- any loading failure is a user-facing one-liner
-        fail(f"could not load dataset {args.dataset!r} ({type(e).__name__}: {str(e).splitlines()[0][:150]}); "
-             f"the Hugging Face hub may be unreachable: run without --dataset for the built-in task")
+        cannot_load("dataset", args.dataset, e, offline_reason,
+                    "give a local .jsonl file or dataset directory, or run without --dataset for the built-in task")
     if isinstance(data, datasets.Dataset):
         data = datasets.DatasetDict({"train": data})
     if not {"question", "answer"} <= set(data["train"].column_names):
         fail(f"dataset {args.dataset!r} has columns {data['train'].column_names}; need question and answer")
     if "test" not in data:   # a fixed, seeded held-out split
+        if len(data["train"]) < 10:
+            fail(f"dataset {args.dataset!r} has {len(data['train'])} rows and no test split; need at least 10 "
+                 "rows (a fifth is held out)")
         data = data["train"].train_test_split(test_size=min(args.n_test, len(data["train"]) // 5), seed=args.seed)
     return data
+
+
+def read_jsonl_task(path: str) -> list[dict]:
+    """The question/answer rows of a local .jsonl file (one JSON object per line; blank lines skipped).
+    A bad line is reported as such: file, line number and what is wrong."""
+    rows = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError) as e:
+        fail(f"dataset {path}: cannot be read as UTF-8 text ({type(e).__name__}: {first_line(e)})")
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            fail(f"dataset {path}, line {number}: not valid JSON ({e.msg}, column {e.colno}); "
+                 "each line must be one JSON object with text fields question and answer")
+        if not (isinstance(row, dict) and all(isinstance(row.get(k), str) for k in ("question", "answer"))):
+            fail(f"dataset {path}, line {number}: needs a JSON object with text fields question and answer, "
+                 f"got {line.strip()[:60]!r}")
+        rows.append({"question": row["question"], "answer": row["answer"]})
+    if not rows:
+        fail(f"dataset {path}: no rows; each line must be one JSON object with text fields question and answer")
+    return rows
 
 
 def format_prompt(question: str) -> str:
@@ -469,12 +734,12 @@ def builtin_tokenizer(task):
 
 
 def warmup_cache_dir(args: Args) -> str:
-    """runs/cache/warmup-<hash of everything that determines the warmed-up weights>."""
-    keys = ("arch", "n_layer", "n_embd", "n_head", "difficulty", "ops", "sft_noise", "n_train", "n_test", "warmup_steps",
-            "warmup_lr", "warmup_batch", "max_prompt_tokens", "max_new_tokens", "seed")
+    """<--cache-dir>/warmup-<hash of everything that determines the warmed-up weights>."""
+    keys = ("arch", "n_layer", "n_embd", "n_head", "difficulty", "ops", "sft_noise", "n_train", "n_test",
+            "warmup_steps", "warmup_lr", "warmup_batch", "max_prompt_tokens", "max_new_tokens", "seed")
     blob = json.dumps({k: getattr(args, k) for k in keys if k != "ops" or args.ops != "+-*"} | {"version": 1},
                       sort_keys=True)
-    return os.path.join("runs", "cache", "warmup-" + hashlib.sha1(blob.encode()).hexdigest()[:12])
+    return os.path.join(args.cache_dir, "warmup-" + hashlib.sha1(blob.encode()).hexdigest()[:12])
 
 
 def sft_batch(tokenizer, questions, answers, device):
@@ -534,7 +799,9 @@ def prepare_start_model(args: Args, task, device) -> str:
         return args.model
     cache = warmup_cache_dir(args)
     if os.path.exists(os.path.join(cache, "config.json")):
+        print(f"warm-up model: {cache} (cached)")
         return cache
+    print(f"warm-up model: {args.warmup_steps} supervised steps, then cached in {cache}")
     tokenizer = builtin_tokenizer(task)
     torch.manual_seed(args.seed)
     model = build_tiny_model(args, tokenizer).to(device)
@@ -546,6 +813,7 @@ def prepare_start_model(args: Args, task, device) -> str:
 
 def load_policy(path: str, args: Args, device):
     """Model and tokenizer from an id or directory; one-line error if it cannot be had."""
+    offline_reason = None if os.path.exists(path) else use_offline_hub_if_unreachable()
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
@@ -553,8 +821,8 @@ def load_policy(path: str, args: Args, device):
         model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=args.trust_remote_code,
                                                      dtype=torch.float32)
     except Exception as e:  # noqa: BLE001 -- any loading failure is a user-facing one-liner
-        fail(f"could not load model {path!r} ({type(e).__name__}: {str(e).splitlines()[0][:150]}); "
-             f"the Hugging Face hub may be unreachable: run without --model for the built-in tiny model")
+        cannot_load("model", path, e, offline_reason,
+                    "give a local model directory, or run without --model for the built-in tiny model")
     tokenizer.padding_side, tokenizer.truncation_side = "left", "left"   # generation needs left padding
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -610,11 +878,12 @@ def model_config_for_plan(args: Args, task):
     from transformers import AutoConfig
     if args.model is None:
         return tiny_model_config(args, builtin_tokenizer(task if task is not None else load_task(args)))
+    offline_reason = None if os.path.exists(args.model) else use_offline_hub_if_unreachable()
     try:
         return AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     except Exception as e:  # noqa: BLE001 -- any loading failure is a user-facing one-liner
-        fail(f"could not load the config of model {args.model!r} ({type(e).__name__}: "
-             f"{str(e).splitlines()[0][:150]}); run without --model for the built-in tiny model")
+        cannot_load("the config of model", args.model, e, offline_reason,
+                    "give a local model directory, or run without --model for the built-in tiny model")
 
 
 def memory_plan(args: Args, config, needs_ref: bool) -> dict:
@@ -1249,15 +1518,33 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def write_atomically(path: str, write) -> None:
+    """write(f) into a temp file next to `path`, then os.replace it: a reader, a crash or a kill -9
+    finds the old file or the new one, never half of one. Temp files of writes killed before (named
+    .<name>-*) are removed first."""
+    folder, name = os.path.dirname(path) or ".", os.path.basename(path)
+    for stale in os.listdir(folder):
+        if stale.startswith(f".{name}-"):
+            os.remove(os.path.join(folder, stale))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:          # an exception or Ctrl-C: no temp file left behind
+        os.remove(tmp)
+        raise
+
+
 def save_checkpoint(run_dir: str, model, optimizer, step: int) -> None:
-    """model, optimizer, RNG states and step, written to a temp file then os.replace'd (atomic)."""
-    path = os.path.join(run_dir, "checkpoint.pt")
-    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".checkpoint-")
-    os.close(fd)
-    with open(tmp, "wb") as f:
+    """model, optimizer, RNG states and step, in checkpoint.pt, written atomically (write_atomically).
+    For the kill tests only: TEPO_TEST_CHECKPOINT_SLEEP=<seconds> sleeps after writing the temp file
+    and before replacing checkpoint.pt, so that a test can kill the process in the middle of a write."""
+    def write(f):
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng_state(),
                     "step": step}, f)
-    os.replace(tmp, path)
+        time.sleep(float(os.environ.get("TEPO_TEST_CHECKPOINT_SLEEP", 0)))
+    write_atomically(os.path.join(run_dir, "checkpoint.pt"), write)
 
 
 def append_row(path: str, row: dict) -> None:
@@ -1268,15 +1555,27 @@ def append_row(path: str, row: dict) -> None:
 
 
 def read_log(path: str) -> list[dict]:
-    """The rows of a .jsonl log (none if it does not exist yet)."""
-    return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+    """The rows of a .jsonl log (none if it does not exist yet). A last line without its newline is a
+    row whose write was cut off (kill -9): it is left out. Any other bad line is reported in one line."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        lines = f.read().split("\n")[:-1]        # the piece after the last newline is "" or a cut-off row
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            fail(f"{path}, line {number}: not a JSON row ({e.msg}, column {e.colno}); the log is damaged")
+    return rows
 
 
 def truncate_log(path: str, first_step: int) -> None:
-    """On resume: drop a log's rows written after the checkpoint (step >= first_step)."""
-    rows = read_log(path)
-    with open(path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows if r["step"] < first_step)
+    """On resume: keep a log's whole rows from before the checkpoint's next step (step < first_step),
+    dropping later rows and a cut-off last line; rewritten atomically, so a resumed log never holds a
+    half-written line or a step twice."""
+    rows = [r for r in read_log(path) if r["step"] < first_step]
+    write_atomically(path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in rows).encode()))
 
 
 def reset_peak_memory(device) -> None:
@@ -1346,11 +1645,15 @@ def train(args: Args, obj_overrides: dict) -> dict:
     args = run.args
     last_step = args.steps if args.stop_after is None else min(args.steps, args.stop_after)
     bar = tqdm(range(run.first_step, last_step + 1), desc=f"{args.objective} seed {args.seed}", dynamic_ncols=True)
+    interrupted, restore_ctrl_c = ctrl_c_finishes_the_step(run.run_dir)
     for step in bar:
         t0 = time.time()
         row, details_row = rl_step(run, step)
-        if step % args.eval_every == 0 or step == args.steps:
+        if step % args.eval_every == 0:
             row.update(evaluate(run.model, run.tokenizer, run.test_set, args, run.device))
+        elif step == args.steps:   # the final evaluation, off the schedule, leaves the RNG as it found it,
+            with torch.random.fork_rng():   # so a run extended later (--resume --steps) equals an uninterrupted one
+                row.update(evaluate(run.model, run.tokenizer, run.test_set, args, run.device))
         row.update({"timing/eval": time.time() - t0 - row["step_time"], "step_time": time.time() - t0,
                     "perf/peak_memory_mb": peak_memory_mb(run.device)})
         append_row(os.path.join(run.run_dir, "metrics.jsonl"), row)
@@ -1358,8 +1661,15 @@ def train(args: Args, obj_overrides: dict) -> dict:
             append_row(run.details_path, details_row)
         bar.set_postfix({"reward": f"{row['reward']:.2f}", "H": f"{row['entropy']:.3f}",
                          **({"eval": f"{row['eval/accuracy']:.3f}"} if "eval/accuracy" in row else {})})
-        if step % args.save_every == 0 or step == last_step:
+        if step % args.save_every == 0 or step == last_step or interrupted():
             save_checkpoint(run.run_dir, run.model, run.optimizer, step)
+        if interrupted():
+            restore_ctrl_c()
+            bar.close()
+            print(f"interrupted at step {step}; resume with: python train_small.py --resume {run.run_dir}",
+                  file=sys.stderr)
+            raise SystemExit(130)
+    restore_ctrl_c()
     if last_step < args.steps:     # interrupted on purpose (--stop-after): no summary yet
         return {"run_dir": run.run_dir, "stopped_at": last_step}
     save_pretrained_atomically(run.model.cpu(), run.tokenizer, os.path.join(run.run_dir, "policy"))
@@ -1368,14 +1678,12 @@ def train(args: Args, obj_overrides: dict) -> dict:
 
 
 def resumed_args(args: Args, obj_overrides: dict) -> tuple[Args, dict]:
-    """With --resume, the saved configuration wins; only how-to-run fields come from the command line."""
+    """With --resume: the saved settings, with run-only fields and --steps from args (parse_args has
+    already refused flags that would change the run; compare() resumes its runs without flags)."""
     if not args.resume:
         return args, obj_overrides
-    if not os.path.exists(os.path.join(args.resume, "config.json")):
-        fail(f"argument --resume: {args.resume!r} has no config.json; give a run directory of train_small.py")
-    saved = json.load(open(os.path.join(args.resume, "config.json")))
-    run_only = {k: getattr(args, k) for k in RUN_ONLY_FIELDS}
-    return Args(**{**saved["args"], **run_only, "out": args.resume}), saved["objective_overrides"]
+    saved, checkpoint_step = check_resumable(args.resume)
+    return resume_args(args, obj_overrides, {"steps"}, saved, checkpoint_step)
 
 
 def pick_device(args: Args) -> torch.device:
@@ -1403,8 +1711,7 @@ def start_run(args: Args, obj_overrides: dict) -> Run:
     task = load_task(args)
     check_memory(args, task, device, tepo.needs_ref(args.objective, cfg))
     run_dir = args.out or os.path.join("runs", run_name(args))
-    os.makedirs(run_dir, exist_ok=True)
-    print(f"run directory: {run_dir}", flush=True)
+    print(f"run directory: {run_dir}", flush=True)    # created once everything has loaded
     reset_peak_memory(device)
     memory_before_model = process_memory_mb()
     start_model = prepare_start_model(args, task, device)
@@ -1419,8 +1726,8 @@ def start_run(args: Args, obj_overrides: dict) -> Run:
               first_step=1, details_path=os.path.join(run_dir, "details.jsonl") if args.objective == "tepo" else None)
     logs = [p for p in (os.path.join(run_dir, "metrics.jsonl"), run.details_path) if p is not None]
     seed_everything(args.seed)
-    if resume_dir and os.path.exists(os.path.join(run_dir, "checkpoint.pt")):
-        ckpt = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=False)
+    if resume_dir:
+        ckpt = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)
         model.load_state_dict(ckpt["model"])
         run.optimizer.load_state_dict(ckpt["optimizer"])
         set_rng_state(ckpt["rng"])
@@ -1428,10 +1735,11 @@ def start_run(args: Args, obj_overrides: dict) -> Run:
         for path in logs:
             truncate_log(path, run.first_step)
     else:
-        json.dump({"args": dataclasses.asdict(args), "objective_overrides": obj_overrides,
-                   "builtin_overrides": builtin, "objective_config": dataclasses.asdict(cfg),
-                   "start_model": start_model, "needs_ref": ref_model is not None},
-                  open(os.path.join(run_dir, "config.json"), "w"), indent=2)
+        os.makedirs(run_dir, exist_ok=True)
+        config = {"args": dataclasses.asdict(args), "objective_overrides": obj_overrides,
+                  "builtin_overrides": builtin, "objective_config": dataclasses.asdict(cfg),
+                  "start_model": start_model, "needs_ref": ref_model is not None}
+        write_atomically(os.path.join(run_dir, "config.json"), lambda f: f.write(json.dumps(config, indent=2).encode()))
         for path in logs:
             open(path, "w").close()
         append_row(logs[0], {"step": 0, **evaluate(model, tokenizer, run.test_set, args, device),
@@ -1524,6 +1832,133 @@ def write_summary(run_dir: str, rows: list[dict], args: Args, wall: float) -> di
 
 
 # =====================================================================================================
+# Run safety: resume that cannot destroy, Ctrl-C that keeps the step, an unreachable hub found in seconds
+# =====================================================================================================
+
+def check_resumable(run_dir: str) -> tuple[dict, int]:
+    """(saved config.json, step of checkpoint.pt) of a run directory that --resume can continue.
+    Otherwise one line saying why not. Only reads: nothing on disk changes either way."""
+    config_path, ckpt_path = os.path.join(run_dir, "config.json"), os.path.join(run_dir, "checkpoint.pt")
+    if not os.path.isfile(config_path):
+        fail(f"argument --resume: {run_dir!r} has no config.json; give a run directory of train_small.py")
+    try:
+        with open(config_path) as f:
+            saved = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        fail(f"argument --resume: {config_path} is damaged ({type(e).__name__}: {first_line(e)}); "
+             "the run cannot be resumed (nothing was changed)")
+    if not (isinstance(saved, dict) and isinstance(saved.get("args"), dict)
+            and isinstance(saved.get("objective_overrides"), dict)):
+        fail(f"argument --resume: {config_path} is not a run configuration of train_small.py "
+             "(it needs args and objective_overrides); the run cannot be resumed (nothing was changed)")
+    unknown = sorted(set(saved["args"]) - set(Args.__dataclass_fields__)
+                     | set(saved["objective_overrides"]) - set(tepo.ObjectiveConfig.__dataclass_fields__))
+    if unknown:
+        fail(f"argument --resume: {config_path} has settings this version of train_small.py does not know "
+             f"({', '.join(unknown)}); the run cannot be resumed (nothing was changed)")
+    if not os.path.isfile(ckpt_path):
+        fail(f"argument --resume: {run_dir!r} has no checkpoint.pt: the run stopped before its first "
+             "checkpoint; start it again without --resume (nothing was changed)")
+    try:      # the zip checksums catch damaged tensor data; the load (memory-mapped) the rest
+        with zipfile.ZipFile(ckpt_path) as z:
+            damaged_member = z.testzip()
+        if damaged_member is not None:
+            raise ValueError(f"checksum mismatch in {damaged_member}")
+        step = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)["step"]
+    except Exception as e:  # noqa: BLE001 -- whatever is wrong with the file, the answer is one line
+        fail(f"argument --resume: {ckpt_path} is damaged ({type(e).__name__}: {first_line(e)}); "
+             "the run cannot be resumed (nothing was changed)")
+    return saved, int(step)
+
+
+def first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:150]
+
+
+def resume_args(args: Args, obj_overrides: dict, given: set[str], saved: dict,
+                checkpoint_step: int) -> tuple[Args, dict]:
+    """The saved run's settings, with the command line's run-only fields (RUN_ONLY_FIELDS) and --steps.
+
+    A flag that would change what is computed refuses the run in one line that lists every such flag
+    (giving a setting its saved value is fine). --steps may extend a finished or interrupted run, or
+    shorten an interrupted one down to its checkpoint's step."""
+    run_dir = args.resume
+    saved_args = Args(**saved["args"])
+    saved_cfg = dataclasses.asdict(objective_config(saved_args, saved["objective_overrides"])[0])
+    changed = [name for name in sorted(given - set(RUN_ONLY_FIELDS) - {"steps"})
+               if (obj_overrides[name] != saved_cfg[name] if name in obj_overrides
+                   else getattr(args, name) != getattr(saved_args, name))]
+    if "out" in given and os.path.normpath(args.out) != os.path.normpath(run_dir):
+        changed.append("out")
+    if changed:
+        values = ", ".join(f"{flag(n)} {obj_overrides.get(n, getattr(args, n, None))!r}" for n in changed)
+        fail(f"argument --resume: a resumed run keeps its saved settings, and these flags would change them: "
+             f"{values}; drop them, or start a new run without --resume")
+    steps = args.steps if "steps" in given else saved_args.steps
+    if steps < checkpoint_step:
+        fail(f"argument --steps: invalid value {steps}; choose an integer >= {checkpoint_step}, the step of "
+             f"{run_dir}'s checkpoint")
+    run_only = {k: getattr(args, k) for k in RUN_ONLY_FIELDS}
+    return (dataclasses.replace(saved_args, **{**run_only, "steps": steps, "out": run_dir}),
+            dict(saved["objective_overrides"]))
+
+
+def ctrl_c_finishes_the_step(run_dir: str):
+    """Make Ctrl-C (SIGINT) stop the RL loop cleanly. Returns (interrupted, restore): interrupted()
+    says whether Ctrl-C was pressed; the loop then finishes the step, logs and checkpoints it, and
+    exits with status 130. A second Ctrl-C aborts at once (the run resumes from its last checkpoint).
+    restore() puts the previous handler back."""
+    pressed = []
+
+    def handler(signum, frame):
+        if pressed:
+            print(f"aborted; resume from the last checkpoint with: python train_small.py --resume {run_dir}",
+                  file=sys.stderr)
+            raise SystemExit(130)
+        pressed.append(signum)
+
+    try:
+        previous = signal.signal(signal.SIGINT, handler)
+    except ValueError:                 # not the main thread: Ctrl-C keeps its usual meaning
+        return (lambda: False), (lambda: None)
+    return (lambda: bool(pressed)), (lambda: signal.signal(signal.SIGINT, previous))
+
+
+HUB_PROBE_SECONDS = 5
+
+
+def cannot_load(what: str, name: str, e: Exception, offline_reason: str | None, instead: str) -> None:
+    """One line for a model or dataset that could not be loaded: the unreachable hub when that is why."""
+    why = f"{offline_reason}, and it is not in the local cache" if offline_reason else \
+        f"{type(e).__name__}: {first_line(e)}"
+    fail(f"could not load {what} {name!r}: {why}; {instead}")
+
+
+def use_offline_hub_if_unreachable() -> str | None:
+    """Probe the Hugging Face hub (at most HUB_PROBE_SECONDS). If it does not answer, switch the hub
+    libraries to offline mode, so loading uses the local cache at once instead of retrying for a
+    minute, and return why (for the error message); None if the hub answered. Once offline mode is on,
+    no probe: the reason is returned if a probe turned it on (TEPO_HUB_UNREACHABLE), else None."""
+    import urllib.error
+    import urllib.request
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        return os.environ.get("TEPO_HUB_UNREACHABLE")
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    try:
+        urllib.request.urlopen(endpoint, timeout=HUB_PROBE_SECONDS).close()
+        return None
+    except urllib.error.HTTPError:      # it answered, even if with an error status
+        return None
+    except Exception as e:  # noqa: BLE001 -- no network, DNS, timeout, proxy: all mean "unreachable"
+        reason = f"the Hugging Face hub ({endpoint}) is unreachable ({first_line(getattr(e, 'reason', e))})"
+    os.environ["HF_HUB_OFFLINE"], os.environ["TEPO_HUB_UNREACHABLE"] = "1", reason
+    for module in ("huggingface_hub.constants", "datasets.config"):     # read the variable when imported
+        if module in sys.modules:
+            sys.modules[module].HF_HUB_OFFLINE = True
+    return reason
+
+
+# =====================================================================================================
 # Modes: --compare and --bench
 # =====================================================================================================
 
@@ -1577,6 +2012,11 @@ def compare(args: Args, obj_overrides: dict) -> None:
 def bench(args: Args, obj_overrides: dict) -> None:
     """Per-phase seconds, tokens/s and peak memory of our RL step, and of TRL's GRPOTrainer on the
     same model directory, batch, group size and lengths (two mini-batches per rollout for both)."""
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        fail("--bench compares with TRL's GRPOTrainer, and trl is not installed; install it with: "
+             "pip install -r requirements.txt")
     torch.set_num_threads(args.threads)
     out = args.out or os.path.join("runs", f"bench__{time.strftime('%Y%m%d-%H%M%S')}")
     n = args.bench_steps
@@ -1592,15 +2032,10 @@ def bench(args: Args, obj_overrides: dict) -> None:
     result = {"ours": ours, "setup": {"prompts": args.prompts_per_step, "group_size": args.group_size,
                                       "max_new_tokens": args.max_new_tokens, "mini_batches": args.mini_batches,
                                       "threads": args.threads, "steps_timed": n}}
-    try:
-        import trl  # noqa: F401
-    except ImportError:
-        print("trl is not installed: no comparison")
-    else:
-        result["trl"] = bench_trl(args, out, n)
-        print("trl GRPOTrainer: " + ", ".join(f"{k} {v:.3f}" for k, v in result["trl"].items()))
-        result["speedup"] = result["trl"]["step_time"] / ours["step_time"]
-        print(f"our step is {result['speedup']:.2f}x the speed of TRL's")
+    result["trl"] = bench_trl(args, out, n)
+    print("trl GRPOTrainer: " + ", ".join(f"{k} {v:.3f}" for k, v in result["trl"].items()))
+    result["speedup"] = result["trl"]["step_time"] / ours["step_time"]
+    print(f"our step is {result['speedup']:.2f}x the speed of TRL's")
     json.dump(result, open(os.path.join(out, "bench.json"), "w"), indent=2)
 
 
@@ -1665,4 +2100,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:      # Ctrl-C before the RL loop (the loop handles its own)
+        print("train_small.py: interrupted before the first RL step", file=sys.stderr)
+        sys.exit(130)
