@@ -1948,6 +1948,7 @@ def test_every_config_field_has_its_own_comment_without_python_names():
 # Fast (CPU, no network), micro configurations only. The micro warm-up is cached once per module.
 import copy  # noqa: E402
 import dataclasses  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -2457,19 +2458,154 @@ DETAILS_ARGS = [*MICRO, "--objective", "tepo", "--steps", "3", "--no-dynamic-sam
 def test_compare_writes_a_table_and_a_rerun_reuses_finished_runs(workdir):
     argv = [*MICRO, "--compare", "grpo,tepo", "--seeds", "2", "--steps", "2", "--out", "runs/cmp"]
     run_main(argv)
-    table = json.load(open("runs/cmp/summary.json"))
-    assert set(table) == {"grpo", "tepo"}
+    result = json.load(open("runs/cmp/summary.json"))
+    table = result["objectives"]
+    assert set(table) == {"grpo", "tepo"} and result["seeds"] == [1, 2] and result["baseline"] == "grpo"
+    runs = {(name, seed): json.load(open(f"runs/cmp/{name}__{seed}/summary.json"))
+            for name in table for seed in (1, 2)}
     for name, entry in table.items():
-        finals = [json.load(open(f"runs/cmp/{name}__{seed}/summary.json"))["final_accuracy"] for seed in (1, 2)]
+        finals = [runs[name, seed]["final_accuracy"] for seed in (1, 2)]
         assert entry["final_accuracy_mean"] == pytest.approx(sum(finals) / 2)
+        assert entry["final_accuracy_std"] == pytest.approx(abs(finals[0] - finals[1]) / math.sqrt(2))
         assert [r["seed"] for r in entry["runs"]] == [1, 2]
+    # Paired: TEPO minus GRPO on the same seed; with 2 seeds the 95% interval is
+    # mean +- t(0.975, 1) * std / sqrt(2) = mean +- 12.706 * |d1 - d2| / 2.
+    assert set(result["paired"]) == {"tepo"}
+    assert result["paired"]["tepo"]["final_entropy"]["std"] > 0     # micro runs: accuracies may all be 0
+    for key, factor in (("gain_points", 1), ("accuracy_auc", 100), ("final_pass@2", 100), ("final_entropy", 1)):
+        d = [factor * (runs["tepo", seed][key] - runs["grpo", seed][key]) for seed in (1, 2)]
+        paired = result["paired"]["tepo"][key]
+        assert paired["per_seed"] == pytest.approx(d) and paired["n"] == 2
+        assert paired["mean"] == pytest.approx((d[0] + d[1]) / 2)
+        assert paired["high"] - paired["mean"] == pytest.approx(12.7062 * abs(d[0] - d[1]) / 2, rel=1e-4, abs=1e-9)
+        assert paired["mean"] - paired["low"] == pytest.approx(paired["high"] - paired["mean"])
+    for seed in (1, 2):      # same seed, same warm-up model and start evaluation: the pairs share a start
+        assert runs["tepo", seed]["start_accuracy"] == runs["grpo", seed]["start_accuracy"]
     md = open("runs/cmp/summary.md").read()
-    assert md.count("\n| grpo |") == 1 and md.count("\n| tepo |") == 1
+    assert md.count("\n| grpo |") == 1                              # the baseline: one row of the table
+    assert md.count("\n| tepo |") == 1 + len(ts.paired_metrics(2))  # one table row, one paired row per metric
+    assert "| objective − grpo | metric | per seed (1, 2) |" in md
     stamp = os.path.getmtime("runs/cmp/grpo__2/metrics.jsonl")
     os.remove("runs/cmp/summary.json")
     run_main(argv)                                   # the same command again: nothing is retrained
     assert os.path.getmtime("runs/cmp/grpo__2/metrics.jsonl") == stamp
-    assert json.load(open("runs/cmp/summary.json")) == table
+    assert json.load(open("runs/cmp/summary.json")) == result
+    run_main([*argv, "--baseline", "dapo"])          # a baseline that was not compared: no paired block
+    assert json.load(open("runs/cmp/summary.json"))["paired"] == {}
+    assert "No paired differences: the baseline 'dapo'" in open("runs/cmp/summary.md").read()
+    assert os.path.getmtime("runs/cmp/grpo__2/metrics.jsonl") == stamp
+
+
+def test_paired_block_with_one_seed_has_no_interval_and_skips_unreached_targets():
+    args = ts.Args(compare="grpo,tepo", pass_k=4)
+    base = {"gain_points": 10.0, "accuracy_auc": 0.30, "final_sampled_accuracy": 0.20, "final_pass@4": 0.50,
+            "steps_to_target": None, "final_entropy": 0.25}
+    other = {"gain_points": 13.5, "accuracy_auc": 0.32, "final_sampled_accuracy": 0.25, "final_pass@4": 0.45,
+             "steps_to_target": 75, "final_entropy": 0.20}
+    paired = ts.paired_differences({"grpo": [base], "tepo": [other]}, args)["tepo"]
+    assert paired["gain_points"]["per_seed"] == [3.5] and paired["gain_points"]["mean"] == 3.5
+    assert paired["gain_points"]["low"] is None and paired["gain_points"]["high"] is None
+    assert paired["accuracy_auc"]["mean"] == pytest.approx(2.0) and paired["final_pass@4"]["mean"] == pytest.approx(-5.0)
+    assert paired["steps_to_target"] == {"label": "steps to target accuracy", "per_seed": [None], "n": 0,
+                                         "mean": None, "std": None, "half_width": None, "low": None, "high": None}
+    lines = ts.paired_table({"tepo": paired}, args, [1])
+    assert "| tepo | final held-out accuracy gain (points) | +3.5 | +3.5 | none (1 seed) | 1 |" in lines
+    assert "| tepo | steps to target accuracy | not reached | - | none (0 seeds) | 0 |" in lines
+
+
+@pytest.mark.parametrize("dof, textbook", [(1, 12.7062), (2, 4.3027), (3, 3.1824), (4, 2.7764), (5, 2.5706),
+                                           (9, 2.2622), (10, 2.2281), (29, 2.0452), (100, 1.9840)])
+def test_t_quantile_matches_the_textbook_table(dof, textbook):
+    assert ts.t_quantile_975(dof) == pytest.approx(textbook, abs=1e-4)
+
+
+@pytest.mark.parametrize("dof", [1, 2, 3, 4, 5, 8])
+def test_student_t_closed_form_matches_the_integrated_density(dof):
+    """P(|T| <= t) = 2 * integral_0^t of the density (lgamma form), trapezoid rule on 200,001 points, float64."""
+    log_c = math.lgamma((dof + 1) / 2) - math.lgamma(dof / 2) - 0.5 * math.log(dof * math.pi)
+    for t in (0.3, 1.0, 2.5, 7.0):
+        x = torch.linspace(0, t, 200_001, dtype=torch.float64)
+        density = torch.exp(log_c - (dof + 1) / 2 * torch.log1p(x ** 2 / dof))
+        assert ts.student_t_central(t, dof) == pytest.approx(2 * torch.trapezoid(density, x).item(), abs=1e-9)
+
+
+def test_t_interval_against_a_hand_computation():
+    # The README's per-seed gains, TEPO minus GRPO on seeds 1-3: -5.6, -1.6, +4.4.
+    d = [18.6 - 24.2, 8.2 - 9.8, 27.4 - 23.0]
+    mean = -2.8 / 3
+    std = math.sqrt(((-5.6 - mean) ** 2 + (-1.6 - mean) ** 2 + (4.4 - mean) ** 2) / 2)     # 5.0332
+    got = ts.t_interval(d)
+    assert got["mean"] == pytest.approx(mean) and got["std"] == pytest.approx(std) and got["n"] == 3
+    assert got["half_width"] == pytest.approx(4.3027 * std / math.sqrt(3), rel=1e-4)           # 12.50
+    assert (got["low"], got["high"]) == pytest.approx((mean - got["half_width"], mean + got["half_width"]))
+    assert ts.t_interval([2.0])["half_width"] is None and ts.t_interval([])["mean"] is None
+
+
+def brute_force_pass_at_k(n: int, c: int, k: int) -> float:
+    """Every k-subset of n samples (the first c right), the fraction that holds a right one."""
+    subsets = list(itertools.combinations(range(n), k))
+    return sum(any(i < c for i in subset) for subset in subsets) / len(subsets)
+
+
+def test_pass_at_k_equals_enumerating_every_subset_of_k_samples():
+    for n in range(1, 9):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                assert ts.pass_at_k(n, c, k) == pytest.approx(brute_force_pass_at_k(n, c, k), abs=1e-12)
+    assert ts.pass_at_k(16, 3, 1) == pytest.approx(3 / 16)          # k = 1: the fraction right
+    assert [ts.pass_at_k(16, c, 16) for c in (0, 1, 16)] == [0.0, 1.0, 1.0]   # k = n: any right
+    assert ts.pass_k_values(16) == [1, 2, 4, 8, 16] and ts.pass_k_values(6) == [1, 2, 4, 6]
+    assert ts.pass_k_values(1) == [1]
+
+
+def test_evaluate_reports_pass_at_k_of_each_problems_samples(monkeypatch):
+    """evaluate with generation replaced by a known pattern: problem i's greedy answer is right when
+    i is even, and c_i = i % 5 of its K = 4 samples are right; chunks of 6 rows cut across problems."""
+    import datasets
+    problems, k = 11, 4
+    test = datasets.Dataset.from_list([{"question": f"q{i}", "answer": f"#### {i}"} for i in range(problems)])
+
+    def generate(model, tokenizer, questions, group_size, args, device, greedy=False):
+        return {"questions": questions, "group_size": group_size, "greedy": greedy}
+
+    def decode(tokenizer, batch):
+        texts = []
+        for q in batch["questions"]:
+            i = int(q[1:])
+            for j in range(batch["group_size"]):
+                right = i % 2 == 0 if batch["greedy"] else j < i % 5
+                texts.append(f"#### {i}" if right else "#### 999")
+        return texts
+
+    monkeypatch.setattr(ts, "generate_group", generate)
+    monkeypatch.setattr(ts, "decode", decode)
+    args = ts.Args(pass_k=k, pass_k_problems=9, prompts_per_step=3, group_size=2)
+    got = ts.evaluate(None, None, test, args, torch.device("cpu"))
+    assert got["eval/accuracy"] == pytest.approx(6 / 11)
+    counts = [i % 5 for i in range(9)]
+    for kk in (1, 2, 4):
+        expected = sum(brute_force_pass_at_k(k, c, kk) for c in counts) / 9
+        assert got[f"eval/pass@{kk}"] == pytest.approx(expected)
+    assert got["eval/mean@4"] == pytest.approx(sum(counts) / 36) == got["eval/pass@1"]
+
+
+def test_accuracy_auc_is_the_trapezoid_area_over_the_run_length():
+    # 25 * (0.2 + 0.4) / 2 + 25 * 0.4 + 10 * (0.4 + 0.5) / 2 = 7.5 + 10 + 4.5 = 22 over 60 steps
+    assert ts.accuracy_auc([0, 25, 50, 60], [0.2, 0.4, 0.4, 0.5]) == pytest.approx(22 / 60)
+    assert ts.accuracy_auc([0], [0.3]) == 0.3
+
+
+def test_run_summary_has_the_auc_and_every_pass_at_k(workdir):
+    out = "runs/cmp/tepo__1"                     # written by the compare test above, or made here
+    if not os.path.exists(os.path.join(out, "summary.json")):
+        run_main([*MICRO, "--objective", "tepo", "--steps", "2", "--out", out])
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    evals = [r for r in read_rows(out) if "eval/accuracy" in r]
+    assert summary["accuracy_auc"] == pytest.approx(ts.accuracy_auc([r["step"] for r in evals],
+                                                                     [r["eval/accuracy"] for r in evals]))
+    for row in evals:                            # K = 2: pass@1 is mean@2, and pass@2 >= pass@1
+        assert row["eval/pass@1"] == pytest.approx(row["eval/mean@2"]) and row["eval/pass@2"] >= row["eval/pass@1"]
+    assert (summary["final_pass@1"], summary["final_pass@2"]) == (evals[-1]["eval/pass@1"], evals[-1]["eval/pass@2"])
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,8 @@ Simplifications, said plainly:
     (logged as `dynamic_sampling/skipped` = 1).
   - Prompts are the question followed by a newline; no chat template is applied.
   - The reference model (only loaded when tepo.needs_ref says so) is the model RL starts from.
-  - pass@k uses n = k samples per problem, so the unbiased estimator is "any of the k is right".
+  - pass@k: K = --pass-k samples per held-out problem, pass@k for k = 1, 2, 4, ... K from the same
+    samples with the unbiased estimator of Chen et al. 2021 (pass_at_k).
   - With `--sft-noise 0` the warm-up model reads every problem right, and RL has little to add on
     this task (measured, 3 seeds: +2.6 points greedy for TEPO, +2.9 for GRPO over 200 steps):
     more supervised steps would then raise accuracy more cheaply than RL does.
@@ -1474,7 +1475,8 @@ def entropy_check(run, batch: dict, stats: dict) -> tuple[float, float, float]:
 
 @torch.no_grad()
 def evaluate(model, tokenizer, test, args: Args, device) -> dict:
-    """Held-out accuracy with greedy decoding (strict and lenient) and pass@k with sampling.
+    """Held-out accuracy with greedy decoding (strict and lenient), and pass@k for k = 1, 2, 4, ... up
+    to K = --pass-k from the same K samples per problem (unbiased estimator, pass_at_k).
     Generation goes one rollout's worth of rows at a time, so evaluation never needs more memory
     (KV cache) than a training step's rollout."""
     rollout_rows = args.prompts_per_step * args.group_size
@@ -1486,10 +1488,26 @@ def evaluate(model, tokenizer, test, args: Args, device) -> dict:
                                                                   args.pass_k, args, device)),
                                  [gold_answer(a) for a in rows["answer"] for _ in range(args.pass_k)])[0]
                for rows in dataset_chunks(test, args.pass_k_problems, max(1, rollout_rows // args.pass_k))]
-    right = torch.cat(sampled).view(-1, args.pass_k)                                # [problems, k]
+    right = torch.cat(sampled).view(-1, args.pass_k)                                # [problems, K]
+    n_right = right.sum(1).long().tolist()                                          # c of each problem
     return {"eval/accuracy": torch.cat([s for s, _ in greedy]).mean().item(),
             "eval/accuracy_lenient": torch.cat([l for _, l in greedy]).mean().item(),
-            f"eval/pass@{args.pass_k}": right.amax(1).mean().item(), f"eval/mean@{args.pass_k}": right.mean().item()}
+            **{f"eval/pass@{k}": sum(pass_at_k(args.pass_k, c, k) for c in n_right) / len(n_right)
+               for k in pass_k_values(args.pass_k)},
+            f"eval/mean@{args.pass_k}": right.mean().item()}
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of one problem from n samples of which c are right (Chen et al. 2021,
+    arXiv 2107.03374, eq. 1): 1 - C(n-c, k) / C(n, k), the chance that k samples drawn without
+    replacement from the n include a right one. Averaging it over problems has less variance than
+    drawing only k samples each; k = n gives "any of the n is right", k = 1 gives c / n (= mean@n)."""
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def pass_k_values(k_max: int) -> list[int]:
+    """The k of the logged pass@k: every power of two up to k_max, and k_max itself."""
+    return sorted({2 ** i for i in range(k_max.bit_length())} | {k_max})
 
 
 def dataset_chunks(data, n: int, size: int):
@@ -1802,18 +1820,21 @@ def rollout_metrics(batch: dict, scored: dict, keep: torch.Tensor, stats: dict, 
 
 
 def write_summary(run_dir: str, rows: list[dict], args: Args, wall: float) -> dict:
-    """summary.json: start and final held-out accuracy, entropy-change correlation, wall time."""
+    """summary.json: start and final held-out accuracy, its area under the curve, final pass@k,
+    entropy-change correlation, wall time."""
     evals = [r for r in rows if "eval/accuracy" in r]
     # Steps that made an update (DAPO's filter can skip one: no update, no entropy change to predict).
-    steps = [r for r in rows if r["step"] > 0 and "entropy_change/predicted" in r and not r.get("dynamic_sampling/skipped")]
+    steps = [r for r in rows
+             if r["step"] > 0 and "entropy_change/predicted" in r and not r.get("dynamic_sampling/skipped")]
     reached = [r["step"] for r in evals if r["eval/accuracy"] >= args.target_accuracy]
     position_corrs = sorted(c for r in steps if math.isfinite(c := r.get("entropy_change/position_corr", math.nan)))
     summary = {
         "run_dir": run_dir, "objective": args.objective, "seed": args.seed,
         "start_accuracy": evals[0]["eval/accuracy"], "final_accuracy": evals[-1]["eval/accuracy"],
         "gain_points": 100 * (evals[-1]["eval/accuracy"] - evals[0]["eval/accuracy"]),
+        "accuracy_auc": accuracy_auc([r["step"] for r in evals], [r["eval/accuracy"] for r in evals]),
         "final_accuracy_lenient": evals[-1]["eval/accuracy_lenient"],
-        f"final_pass@{args.pass_k}": evals[-1][f"eval/pass@{args.pass_k}"],
+        **{"final_" + k[len("eval/"):]: v for k, v in evals[-1].items() if k.startswith("eval/pass@")},
         "start_sampled_accuracy": evals[0][f"eval/mean@{args.pass_k}"],
         "final_sampled_accuracy": evals[-1][f"eval/mean@{args.pass_k}"],
         "steps_to_target": reached[0] if reached else None, "target_accuracy": args.target_accuracy,
@@ -1825,10 +1846,22 @@ def write_summary(run_dir: str, rows: list[dict], args: Args, wall: float) -> di
     }
     json.dump(summary, open(os.path.join(run_dir, "summary.json"), "w"), indent=2)
     print(f"held-out accuracy {summary['start_accuracy']:.3f} -> {summary['final_accuracy']:.3f} "
-          f"({summary['gain_points']:+.1f} points); sampled (T={args.temperature}) "
-          f"{summary['start_sampled_accuracy']:.3f} -> {summary['final_sampled_accuracy']:.3f}; entropy change predicted vs measured: "
-          f"r = {summary['entropy_change_correlation']:.3f}; {wall:.0f} s; {run_dir}")
+          f"({summary['gain_points']:+.1f} points, {summary['accuracy_auc']:.3f} averaged over the run); "
+          f"sampled (T={args.temperature}) {summary['start_sampled_accuracy']:.3f} -> "
+          f"{summary['final_sampled_accuracy']:.3f}, pass@{args.pass_k} {summary[f'final_pass@{args.pass_k}']:.3f}; "
+          f"entropy change predicted vs measured: r = {summary['entropy_change_correlation']:.3f}; {wall:.0f} s; "
+          f"{run_dir}")
     return summary
+
+
+def accuracy_auc(steps: list[int], accuracy: list[float]) -> float:
+    """Area under the held-out accuracy curve divided by the run's length: the mean height of the curve
+    that joins the evaluation points with straight lines (trapezoid rule, step 0 to the last step).
+    It averages the noise of several evaluations, where the final accuracy has only one's."""
+    if len(steps) == 1:
+        return accuracy[0]
+    area = sum((s1 - s0) * (a0 + a1) / 2 for s0, s1, a0, a1 in zip(steps, steps[1:], accuracy, accuracy[1:]))
+    return area / (steps[-1] - steps[0])
 
 
 # =====================================================================================================
@@ -1963,12 +1996,14 @@ def use_offline_hub_if_unreachable() -> str | None:
 # =====================================================================================================
 
 def compare(args: Args, obj_overrides: dict) -> None:
-    """Several objectives x seeds on the same task, sequentially in-process; a summary table
-    (<out>/summary.md and summary.json)."""
+    """Several objectives x seeds on the same task, sequentially in-process. Writes <out>/summary.md
+    and summary.json: per objective the mean and std over seeds, and, paired by seed, each objective
+    minus --baseline with a 95% interval (paired_differences)."""
     out = args.out or os.path.join("runs", f"compare__{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(out, exist_ok=True)
+    seeds = list(range(args.seed, args.seed + args.seeds))
     results = {}
-    for seed in range(args.seed, args.seed + args.seeds):      # seed-major: early results cover every objective
+    for seed in seeds:      # seed-major: early results cover every objective
         for name in args.compare.split(","):
             run_dir = os.path.join(out, f"{name}__{seed}")
             run = dataclasses.replace(args, objective=name, seed=seed, compare=None, out=run_dir)
@@ -1983,30 +2018,150 @@ def compare(args: Args, obj_overrides: dict) -> None:
             else:
                 summary = train(run, obj_overrides)
             results.setdefault(name, []).append(summary)
-    table = {}
-    for name, runs in results.items():
-        acc = torch.tensor([r["final_accuracy"] for r in runs], dtype=torch.float64)
-        gain = torch.tensor([r["gain_points"] for r in runs], dtype=torch.float64)
-        std = lambda x: x.std().item() if len(x) > 1 else 0.0  # noqa: E731
-        sampled = torch.tensor([r["final_sampled_accuracy"] - r["start_sampled_accuracy"] for r in runs], dtype=torch.float64)
-        table[name] = {"final_accuracy_mean": acc.mean().item(), "final_accuracy_std": std(acc),
-                       "sampled_gain_points_mean": 100 * sampled.mean().item(), "sampled_gain_points_std": 100 * std(sampled),
-                       "gain_points_mean": gain.mean().item(), "gain_points_std": std(gain),
-                       "steps_to_target": [r["steps_to_target"] for r in runs],
-                       "final_entropy_mean": sum(r["final_entropy"] for r in runs) / len(runs),
-                       "entropy_change_correlation_mean": sum(r["entropy_change_correlation"] for r in runs) / len(runs),
-                       "wall_seconds_mean": sum(r["wall_seconds"] for r in runs) / len(runs), "runs": runs}
-    json.dump(table, open(os.path.join(out, "summary.json"), "w"), indent=2)
-    lines = [f"| objective | final held-out acc (mean ± std, {args.seeds} seeds) | gain (points) | "
-             f"steps to {args.target_accuracy:.2f} | sampled-accuracy gain (points) | final entropy | r(pred, meas) | wall s |",
-             "|---|---|---|---|---|---|---|---|"]
-    for name, t in table.items():
-        lines.append(f"| {name} | {t['final_accuracy_mean']:.3f} ± {t['final_accuracy_std']:.3f} | "
-                     f"{t['gain_points_mean']:+.1f} ± {t['gain_points_std']:.1f} | {t['steps_to_target']} | "
-                     f"{t['sampled_gain_points_mean']:+.1f} ± {t['sampled_gain_points_std']:.1f} | "
-                     f"{t['final_entropy_mean']:.3f} | {t['entropy_change_correlation_mean']:.2f} | {t['wall_seconds_mean']:.0f} |")
+    table, paired = objective_means(results, args), paired_differences(results, args)
+    json.dump({"seeds": seeds, "baseline": args.baseline, "target_accuracy": args.target_accuracy,
+               "objectives": table, "paired": paired}, open(os.path.join(out, "summary.json"), "w"), indent=2)
+    lines = [*objective_table(table, args), "", *paired_table(paired, args, seeds)]
     open(os.path.join(out, "summary.md"), "w").write("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def objective_means(results: dict, args: Args) -> dict:
+    """Per objective: mean and std over seeds of the main results, and every run's summary."""
+    table = {}
+    for name, runs in results.items():
+        columns = {key: [r[key] for r in runs] for key in ("final_accuracy", "gain_points", "accuracy_auc",
+                                                            f"final_pass@{args.pass_k}")}
+        columns["sampled_gain_points"] = [100 * (r["final_sampled_accuracy"] - r["start_sampled_accuracy"])
+                                          for r in runs]
+        table[name] = {}
+        for key, values in columns.items():
+            stats = t_interval(values)
+            table[name] |= {key + "_mean": stats["mean"], key + "_std": stats["std"] or 0.0}   # std 0: 1 seed
+        table[name] |= {"steps_to_target": [r["steps_to_target"] for r in runs],
+                        "final_entropy_mean": sum(r["final_entropy"] for r in runs) / len(runs),
+                        "entropy_change_correlation_mean":
+                            sum(r["entropy_change_correlation"] for r in runs) / len(runs),
+                        "wall_seconds_mean": sum(r["wall_seconds"] for r in runs) / len(runs), "runs": runs}
+    return table
+
+
+def objective_table(table: dict, args: Args) -> list[str]:
+    """The markdown lines of the per-objective table of summary.md."""
+    k = args.pass_k
+    lines = [f"| objective | final held-out acc (mean ± std, {args.seeds} seeds) | gain (points) | "
+             f"acc. averaged over the run | final pass@{k} | steps to {args.target_accuracy:.2f} | "
+             f"sampled-accuracy gain (points) | final entropy | r(pred, meas) | wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, t in table.items():
+        lines.append(f"| {name} | {t['final_accuracy_mean']:.3f} ± {t['final_accuracy_std']:.3f} | "
+                     f"{t['gain_points_mean']:+.1f} ± {t['gain_points_std']:.1f} | "
+                     f"{t['accuracy_auc_mean']:.3f} ± {t['accuracy_auc_std']:.3f} | "
+                     f"{t[f'final_pass@{k}_mean']:.3f} ± {t[f'final_pass@{k}_std']:.3f} | {t['steps_to_target']} | "
+                     f"{t['sampled_gain_points_mean']:+.1f} ± {t['sampled_gain_points_std']:.1f} | "
+                     f"{t['final_entropy_mean']:.3f} | {t['entropy_change_correlation_mean']:.2f} | "
+                     f"{t['wall_seconds_mean']:.0f} |")
+    return lines
+
+
+def paired_metrics(pass_k: int) -> list[tuple]:
+    """What --compare pairs by seed: (key of a run's summary.json, label, factor to the unit shown, format).
+    Accuracies and their gains in points (x 100)."""
+    return [("gain_points", "final held-out accuracy gain (points)", 1, "+.1f"),
+            ("accuracy_auc", "held-out accuracy averaged over the run (points)", 100, "+.1f"),
+            ("final_sampled_accuracy", "final sampled accuracy = pass@1 (points)", 100, "+.1f"),
+            (f"final_pass@{pass_k}", f"final pass@{pass_k} (points)", 100, "+.1f"),
+            ("steps_to_target", "steps to target accuracy", 1, "+.0f"),
+            ("final_entropy", "final entropy (nats)", 1, "+.3f")]
+
+
+def paired_differences(results: dict, args: Args) -> dict:
+    """For each objective other than --baseline: per seed, objective minus baseline on the same seed
+    (same task, warm-up model, prompt order and start evaluation, so what the seeds share cancels),
+    then the mean with a 95% interval over seeds (t_interval). Steps to target: only seeds where
+    both runs reached the target count. Empty when the baseline was not compared."""
+    if args.baseline not in results:
+        return {}
+    base = results[args.baseline]
+    paired = {}
+    for name, runs in results.items():
+        if name == args.baseline:
+            continue
+        paired[name] = {}
+        for key, label, factor, _ in paired_metrics(args.pass_k):
+            per_seed = [None if r[key] is None or b[key] is None else factor * (r[key] - b[key])
+                        for r, b in zip(runs, base)]
+            paired[name][key] = {"label": label, "per_seed": per_seed,
+                                 **t_interval([d for d in per_seed if d is not None])}
+    return paired
+
+
+def paired_table(paired: dict, args: Args, seeds: list[int]) -> list[str]:
+    """The markdown lines of the paired block of summary.md."""
+    if not paired:
+        return [f"No paired differences: the baseline {args.baseline!r} (--baseline) is not among the compared "
+                f"objectives."]
+    lines = [f"Paired by seed against {args.baseline} (objective minus {args.baseline} on the same seed), "
+             f"mean and 95% interval (t over seeds: mean ± t(0.975, n-1) · std / sqrt(n)):", "",
+             f"| objective − {args.baseline} | metric | per seed ({', '.join(map(str, seeds))}) | mean | "
+             f"95% interval | seeds |", "|---|---|---|---|---|---|"]
+    for name, metrics in paired.items():
+        for key, label, _, fmt in paired_metrics(args.pass_k):
+            m = metrics[key]
+            per_seed = ", ".join("not reached" if d is None else format(d, fmt) for d in m["per_seed"])
+            mean = "-" if m["mean"] is None else format(m["mean"], fmt)
+            interval = (f"{m['low']:{fmt}} to {m['high']:{fmt}}" if m["low"] is not None
+                        else f"none ({m['n']} seed{'s' * (m['n'] != 1)})")
+            lines.append(f"| {name} | {label} | {per_seed} | {mean} | {interval} | {m['n']} |")
+    return lines
+
+
+def t_interval(values: list[float]) -> dict:
+    """Mean of n values and its 95% interval, mean ± t(0.975, n-1) · std / sqrt(n), std with n-1
+    (Student's t: the values are treated as independent draws, here one per seed). With fewer than
+    two values there is no interval (low = high = None)."""
+    n = len(values)
+    if n == 0:
+        return {"n": 0, "mean": None, "std": None, "half_width": None, "low": None, "high": None}
+    mean = sum(values) / n
+    if n == 1:
+        return {"n": 1, "mean": mean, "std": None, "half_width": None, "low": None, "high": None}
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = t_quantile_975(n - 1) * std / math.sqrt(n)
+    return {"n": n, "mean": mean, "std": std, "half_width": half, "low": mean - half, "high": mean + half}
+
+
+def t_quantile_975(dof: int) -> float:
+    """The 97.5% quantile of Student's t with `dof` degrees of freedom (12.706 for 1, 4.303 for 2,
+    2.776 for 4, -> 1.960), by bisection on the exact distribution function student_t_central."""
+    low, high = 0.0, 1.0
+    while student_t_central(high, dof) < 0.95:
+        high *= 2
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if student_t_central(mid, dof) < 0.95 else (low, mid)
+    return (low + high) / 2
+
+
+def student_t_central(t: float, dof: int) -> float:
+    """P(|T| <= t) for Student's t with an integer number of degrees of freedom, in closed form
+    (Abramowitz & Stegun 26.7.3 for odd dof, 26.7.4 for even), with theta = atan(t / sqrt(dof)):
+    odd:  2/pi (theta + sin theta (cos theta + 2/3 cos^3 theta + ... + 2*4..(dof-3) / 1*3..(dof-2) cos^(dof-2) theta))
+    even: sin theta (1 + 1/2 cos^2 theta + ... + 1*3..(dof-3) / 2*4..(dof-2) cos^(dof-2) theta)."""
+    theta = math.atan(t / math.sqrt(dof))
+    sin, cos2 = math.sin(theta), math.cos(theta) ** 2
+    series = 0.0
+    if dof % 2 == 1:
+        term = math.cos(theta)
+        for j in range((dof - 1) // 2):
+            series += term
+            term *= (2 * j + 2) / (2 * j + 3) * cos2
+        return 2 / math.pi * (theta + sin * series)
+    term = 1.0
+    for j in range(dof // 2):
+        series += term
+        term *= (2 * j + 1) / (2 * j + 2) * cos2
+    return sin * series
 
 
 def bench(args: Args, obj_overrides: dict) -> None:
