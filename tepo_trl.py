@@ -211,7 +211,7 @@ def train(args, obj_overrides: dict) -> dict:
     except ValueError as e:
         ts.fail(str(e))
     torch.set_num_threads(args.threads)
-    cfg, builtin = ts.objective_config(args, obj_overrides)
+    cfg = ts.objective_config(args, obj_overrides)
     run_dir = args.out or os.path.join("runs", ts.run_name(args) + "__trl")
     device = state.device
     ts.seed_everything(args.seed)
@@ -229,7 +229,7 @@ def train(args, obj_overrides: dict) -> dict:
     if state.is_main_process:
         print(f"TRL {TRL_TESTED} engine: {args.objective}; not carried over to TRL: {skipped}")
         os.makedirs(run_dir, exist_ok=True)
-        json.dump({"args": dataclasses.asdict(args), "objective_overrides": obj_overrides, "builtin_overrides": builtin,
+        json.dump({"args": dataclasses.asdict(args), "objective_overrides": obj_overrides,
                    "objective_config": dataclasses.asdict(trainer.objective_config), "start_model": start_model,
                    "engine": "trl", "not_carried_over": skipped, "grpo_config": config.to_dict()},
                   open(os.path.join(run_dir, "config.json"), "w"), indent=2, default=str)

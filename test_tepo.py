@@ -2145,9 +2145,9 @@ def test_objective_flags_cover_every_config_field():
     assert {f.name for f in dataclasses.fields(tepo.ObjectiveConfig)} <= flags
     args, overrides = ts.parse_args(["--objective", "tepo", "--eps-low", "0.01", "--dual-clip-c", "none",
                                      "--no-dynamic-sampling", "--kl-target", "ref"])
-    cfg, _ = ts.objective_config(args, overrides)
+    cfg = ts.objective_config(args, overrides)
     assert cfg.eps_low == 0.01 and cfg.dynamic_sampling is False and cfg.kl_target == "ref"
-    assert cfg.eps_high == tepo.PAPER_DEFAULTS["tepo"].eps_high or "eps_high" in ts.BUILTIN_OVERRIDES.get("tepo", {})
+    assert cfg.eps_high == tepo.PAPER_DEFAULTS["tepo"].eps_high
 
 
 # ---- end to end ---------------------------------------------------------------------------------
@@ -2160,7 +2160,7 @@ def test_two_steps_of_every_objective(objective, workdir):
     assert [r["step"] for r in rows] == [0, 1, 2]
     config = json.load(open(os.path.join(out, "config.json")))
     assert config["args"]["objective"] == objective
-    assert config["needs_ref"] == tepo.needs_ref(objective, tepo.config_for(objective, **config["builtin_overrides"]))
+    assert config["needs_ref"] == tepo.needs_ref(objective, tepo.config_for(objective))
     for r in rows[1:]:
         for key in ("reward", "reward_std", "accuracy/strict", "accuracy/lenient", "frac_reward_zero_std",
                     "completions/mean_length", "completions/clipped_ratio", "entropy", "cov/logp_adv",
@@ -2490,9 +2490,13 @@ def test_compare_writes_a_table_and_a_rerun_reuses_finished_runs(workdir):
     run_main(argv)                                   # the same command again: nothing is retrained
     assert os.path.getmtime("runs/cmp/grpo__2/metrics.jsonl") == stamp
     assert json.load(open("runs/cmp/summary.json")) == result
-    run_main([*argv, "--baseline", "dapo"])          # a baseline that was not compared: no paired block
+    with pytest.raises(SystemExit) as e:             # an explicit baseline must be one of the compared
+        ts.main([*argv, "--baseline", "dapo"])
+    assert e.value.code == 2
+    # the default baseline (grpo) when it is not compared: the table without a paired block
+    run_main([*MICRO, "--compare", "tepo", "--seeds", "2", "--steps", "2", "--out", "runs/cmp"])
     assert json.load(open("runs/cmp/summary.json"))["paired"] == {}
-    assert "No paired differences: the baseline 'dapo'" in open("runs/cmp/summary.md").read()
+    assert "No paired differences: the baseline 'grpo'" in open("runs/cmp/summary.md").read()
     assert os.path.getmtime("runs/cmp/grpo__2/metrics.jsonl") == stamp
 
 
@@ -2824,8 +2828,8 @@ def fake_run(run_dir, step=2, **args):
     """A run directory as train_small.py leaves it: config.json and checkpoint.pt (a tiny model)."""
     os.makedirs(run_dir, exist_ok=True)
     saved = ts.Args(**{"steps": 4, **args})
-    cfg, builtin = ts.objective_config(saved, {})
-    json.dump({"args": dataclasses.asdict(saved), "objective_overrides": {}, "builtin_overrides": builtin,
+    cfg = ts.objective_config(saved, {})
+    json.dump({"args": dataclasses.asdict(saved), "objective_overrides": {},
                "objective_config": dataclasses.asdict(cfg)}, open(os.path.join(run_dir, "config.json"), "w"))
     model = torch.nn.Linear(3, 3)
     ts.save_checkpoint(str(run_dir), model, torch.optim.Adam(model.parameters()), step)

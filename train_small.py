@@ -156,17 +156,6 @@ class Args:
     stop_after: int | None = None       # stop after this step as if interrupted (testing --resume)
 
 
-# The built-in task's objective overrides, applied on top of tepo.PAPER_DEFAULTS only when the
-# built-in tiny model AND the built-in task are used (recorded in config.json as builtin_overrides;
-# any flag still wins). tepo.PAPER_DEFAULTS itself is untouched.
-# Currently EMPTY: every objective runs with its paper defaults. Measured: with GSPO's band
-# (3e-4, 4e-4) on the geometric-mean ratio, TEPO clips 25-35% of all tokens of a rollout (most of
-# the second mini-batch), since our 0.8M-parameter model at lr 1e-4 moves a sequence ratio by
-# ~1e-2 per optimizer step. That tight band did not stop learning, and a 50x wider band (0.015,
-# 0.02) at lr 2e-4 did worse, so the paper band stays. To widen it: e.g.
-# {"tepo": {"eps_low": 0.015, "eps_high": 0.02}}.
-BUILTIN_OVERRIDES: dict[str, dict] = {}
-
 # Fields of Args that only say how to run, not what is computed: they are not compared on resume.
 RUN_ONLY_FIELDS = ("resume", "stop_after", "compare", "seeds", "baseline", "bench", "bench_steps", "out", "threads",
                    "cache_dir", "dry_run", "force")
@@ -295,6 +284,11 @@ VALID: dict[str, tuple] = {
 }
 
 
+def rows_per_forward(args: Args) -> int:
+    """Rows in one forward pass: --micro-batch-size, or a whole (nominal) mini-batch when it is 0."""
+    return args.micro_batch_size or math.ceil(args.prompts_per_step / args.mini_batches) * args.group_size
+
+
 def rows_per_minibatch(args: Args) -> int:
     """Rows of one (nominal) mini-batch: mini-batches hold whole groups."""
     return rows_per_forward(dataclasses.replace(args, micro_batch_size=0))
@@ -302,7 +296,7 @@ def rows_per_minibatch(args: Args) -> int:
 
 def builtin_task_size(args: Args) -> int:
     """How many problems make_arithmetic_task draws at most for this --difficulty and --ops."""
-    return len(NAMES) * len(ITEMS) * len(args.ops) * args.difficulty ** 2 // 2
+    return arithmetic_task_size(args.difficulty, args.ops)
 
 
 # Rules that relate flags: (field, what is valid, test of the whole Args). The text may name other
@@ -321,8 +315,9 @@ RELATIONS = [
     ("n_test", "an integer below {builtin_task_size}, the number of problems of the built-in task at this "
      "--difficulty and --ops", lambda a: a.dataset is not None or a.n_test < builtin_task_size(a)),
     ("seed", f"an integer with --seed + --seeds - 1 <= {INT_LIMIT}", lambda a: a.seed + a.seeds - 1 <= INT_LIMIT),
-    ("baseline", "one of the objectives of --compare ({compare})",
-     lambda a: a.compare is None or a.baseline in a.compare.split(",")),
+    ("baseline", "one of the objectives of --compare ({compare}); without --baseline, a comparison that leaves out "
+     "grpo has no paired block", lambda a: a.compare is None or a.baseline in a.compare.split(",")
+     or a.baseline == Args.baseline),
     ("device", "auto or cpu: CUDA is not available here", lambda a: a.device != "cuda" or torch.cuda.is_available()),
     ("resume", "a run directory alone: --resume cannot be combined with --compare or --bench",
      lambda a: a.resume is None or not (a.compare or a.bench)),
@@ -506,23 +501,149 @@ def parse_args(argv=None) -> tuple[Args, dict]:
     return args, obj_overrides
 
 
-def objective_config(args: Args, obj_overrides: dict) -> tuple[tepo.ObjectiveConfig, dict]:
-    """Paper defaults, then the built-in task's overrides (built-in model and task only), then flags.
+def objective_config(args: Args, obj_overrides: dict) -> tepo.ObjectiveConfig:
+    """The objective's paper defaults (tepo.PAPER_DEFAULTS), then the flags.
 
     Dr. GRPO's constant L (seq-mean-token-sum-norm) is the max generation length, as in the paper
     and TRL, unless --norm-constant is given; tepo's own fallback (the padded length of the batch)
     would change from mini-batch to mini-batch.
     """
-    builtin = BUILTIN_OVERRIDES.get(args.objective, {}) if (args.model is None and args.dataset is None) else {}
-    cfg = tepo.config_for(args.objective, **{**builtin, **obj_overrides})
+    cfg = tepo.config_for(args.objective, **obj_overrides)
     if cfg.aggregation == "seq-mean-token-sum-norm" and cfg.norm_constant is None:
         cfg = dataclasses.replace(cfg, norm_constant=float(args.max_new_tokens))
-    return cfg, builtin
+    return cfg
 
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)          # also seeds CUDA; generation samples from this generator
+
+
+# =====================================================================================================
+# 0b. Run safety: resume that cannot destroy, Ctrl-C that keeps the step, an unreachable hub found in seconds
+# =====================================================================================================
+
+def check_resumable(run_dir: str) -> tuple[dict, int]:
+    """(saved config.json, step of checkpoint.pt) of a run directory that --resume can continue.
+    Otherwise one line saying why not. Only reads: nothing on disk changes either way."""
+    config_path, ckpt_path = os.path.join(run_dir, "config.json"), os.path.join(run_dir, "checkpoint.pt")
+    if not os.path.isfile(config_path):
+        fail(f"argument --resume: {run_dir!r} has no config.json; give a run directory of train_small.py")
+    try:
+        with open(config_path) as f:
+            saved = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        fail(f"argument --resume: {config_path} is damaged ({type(e).__name__}: {first_line(e)}); "
+             "the run cannot be resumed (nothing was changed)")
+    if not (isinstance(saved, dict) and isinstance(saved.get("args"), dict)
+            and isinstance(saved.get("objective_overrides"), dict)):
+        fail(f"argument --resume: {config_path} is not a run configuration of train_small.py "
+             "(it needs args and objective_overrides); the run cannot be resumed (nothing was changed)")
+    unknown = sorted(set(saved["args"]) - set(Args.__dataclass_fields__)
+                     | set(saved["objective_overrides"]) - set(tepo.ObjectiveConfig.__dataclass_fields__))
+    if unknown:
+        fail(f"argument --resume: {config_path} has settings this version of train_small.py does not know "
+             f"({', '.join(unknown)}); the run cannot be resumed (nothing was changed)")
+    if not os.path.isfile(ckpt_path):
+        fail(f"argument --resume: {run_dir!r} has no checkpoint.pt: the run stopped before its first "
+             "checkpoint; start it again without --resume (nothing was changed)")
+    try:      # the zip checksums catch damaged tensor data; the load (memory-mapped) the rest
+        with zipfile.ZipFile(ckpt_path) as z:
+            damaged_member = z.testzip()
+        if damaged_member is not None:
+            raise ValueError(f"checksum mismatch in {damaged_member}")
+        step = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)["step"]
+    except Exception as e:  # noqa: BLE001 -- whatever is wrong with the file, the answer is one line
+        fail(f"argument --resume: {ckpt_path} is damaged ({type(e).__name__}: {first_line(e)}); "
+             "the run cannot be resumed (nothing was changed)")
+    return saved, int(step)
+
+
+def first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:150]
+
+
+def resume_args(args: Args, obj_overrides: dict, given: set[str], saved: dict,
+                checkpoint_step: int) -> tuple[Args, dict]:
+    """The saved run's settings, with the command line's run-only fields (RUN_ONLY_FIELDS) and --steps.
+
+    A flag that would change what is computed refuses the run in one line that lists every such flag
+    (giving a setting its saved value is fine). --steps may extend a finished or interrupted run, or
+    shorten an interrupted one down to its checkpoint's step."""
+    run_dir = args.resume
+    saved_args = Args(**saved["args"])
+    saved_cfg = dataclasses.asdict(objective_config(saved_args, saved["objective_overrides"]))
+    changed = [name for name in sorted(given - set(RUN_ONLY_FIELDS) - {"steps"})
+               if (obj_overrides[name] != saved_cfg[name] if name in obj_overrides
+                   else getattr(args, name) != getattr(saved_args, name))]
+    if "out" in given and os.path.normpath(args.out) != os.path.normpath(run_dir):
+        changed.append("out")
+    if changed:
+        values = ", ".join(f"{flag(n)} {obj_overrides.get(n, getattr(args, n, None))!r}" for n in changed)
+        fail(f"argument --resume: a resumed run keeps its saved settings, and these flags would change them: "
+             f"{values}; drop them, or start a new run without --resume")
+    steps = args.steps if "steps" in given else saved_args.steps
+    if steps < checkpoint_step:
+        fail(f"argument --steps: invalid value {steps}; choose an integer >= {checkpoint_step}, the step of "
+             f"{run_dir}'s checkpoint")
+    run_only = {k: getattr(args, k) for k in RUN_ONLY_FIELDS}
+    return (dataclasses.replace(saved_args, **{**run_only, "steps": steps, "out": run_dir}),
+            dict(saved["objective_overrides"]))
+
+
+def ctrl_c_finishes_the_step(run_dir: str):
+    """Make Ctrl-C (SIGINT) stop the RL loop cleanly. Returns (interrupted, restore): interrupted()
+    says whether Ctrl-C was pressed; the loop then finishes the step, logs and checkpoints it, and
+    exits with status 130. A second Ctrl-C aborts at once (the run resumes from its last checkpoint).
+    restore() puts the previous handler back."""
+    pressed = []
+
+    def handler(signum, frame):
+        if pressed:
+            print(f"aborted; resume from the last checkpoint with: python train_small.py --resume {run_dir}",
+                  file=sys.stderr)
+            raise SystemExit(130)
+        pressed.append(signum)
+
+    try:
+        previous = signal.signal(signal.SIGINT, handler)
+    except ValueError:                 # not the main thread: Ctrl-C keeps its usual meaning
+        return (lambda: False), (lambda: None)
+    return (lambda: bool(pressed)), (lambda: signal.signal(signal.SIGINT, previous))
+
+
+HUB_PROBE_SECONDS = 5
+
+
+def cannot_load(what: str, name: str, e: Exception, offline_reason: str | None, instead: str) -> None:
+    """One line for a model or dataset that could not be loaded: the unreachable hub when that is why."""
+    why = f"{offline_reason}, and it is not in the local cache" if offline_reason else \
+        f"{type(e).__name__}: {first_line(e)}"
+    fail(f"could not load {what} {name!r}: {why}; {instead}")
+
+
+def use_offline_hub_if_unreachable() -> str | None:
+    """Probe the Hugging Face hub (at most HUB_PROBE_SECONDS). If it does not answer, switch the hub
+    libraries to offline mode, so loading uses the local cache at once instead of retrying for a
+    minute, and return why (for the error message); None if the hub answered. Once offline mode is on,
+    no probe: the reason is returned if a probe turned it on (TEPO_HUB_UNREACHABLE), else None."""
+    import urllib.error
+    import urllib.request
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        return os.environ.get("TEPO_HUB_UNREACHABLE")
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    try:
+        urllib.request.urlopen(endpoint, timeout=HUB_PROBE_SECONDS).close()
+        return None
+    except urllib.error.HTTPError:      # it answered, even if with an error status
+        return None
+    except Exception as e:  # noqa: BLE001 -- no network, DNS, timeout, proxy: all mean "unreachable"
+        reason = f"the Hugging Face hub ({endpoint}) is unreachable ({first_line(getattr(e, 'reason', e))})"
+    os.environ["HF_HUB_OFFLINE"], os.environ["TEPO_HUB_UNREACHABLE"] = "1", reason
+    for module in ("huggingface_hub.constants", "datasets.config"):     # read the variable when imported
+        if module in sys.modules:
+            sys.modules[module].HF_HUB_OFFLINE = True
+    return reason
 
 
 # =====================================================================================================
@@ -537,6 +658,12 @@ ITEMS = ["apple", "pen", "cup", "book", "egg", "coin", "card", "shell"]
 # multiply or subtract, and subtracts when it should add. One systematic misreading per kind, as
 # real students (and real pretraining corpora) have.
 MISREAD = {"+": "-", "-": "+", "*": "+"}
+
+
+def arithmetic_task_size(difficulty: int, ops: str) -> int:
+    """How many problems make_arithmetic_task draws at most: half of the distinct questions, so
+    that drawing without repeats stays fast."""
+    return len(NAMES) * len(ITEMS) * len(ops) * difficulty * difficulty // 2
 
 
 def make_arithmetic_task(difficulty: int, n_train: int, n_test: int, seed: int, ops: str = "+-*",
@@ -556,8 +683,7 @@ def make_arithmetic_task(difficulty: int, n_train: int, n_test: int, seed: int, 
     rng = random.Random(f"arithmetic-{seed}-{difficulty}")
     noise_rng = random.Random(f"misread-{seed}")
     seen, rows = set(), []
-    n_possible = len(NAMES) * len(ITEMS) * len(ops) * difficulty * difficulty
-    while len(rows) < min(n_train + n_test, n_possible // 2):
+    while len(rows) < min(n_train + n_test, arithmetic_task_size(difficulty, ops)):
         name, item = rng.choice(NAMES), rng.choice(ITEMS)
         a, b, op = rng.randint(1, difficulty), rng.randint(1, difficulty), rng.choice(ops)
         if op == "+":
@@ -571,9 +697,8 @@ def make_arithmetic_task(difficulty: int, n_train: int, n_test: int, seed: int, 
             seen.add(q)
             shown = MISREAD[op] if noise_rng.random() < sft_noise else op
             rows.append({"question": q, "answer": worked_answer(a, op, b), "demonstration": worked_answer(a, shown, b)})
-    test, train = rows[:n_test], rows[n_test:]
-    return datasets.DatasetDict({"train": datasets.Dataset.from_list(train),
-                                 "test": datasets.Dataset.from_list(test)})
+    return datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[n_test:]),
+                                 "test": datasets.Dataset.from_list(rows[:n_test])})
 
 
 def worked_answer(a: int, op: str, b: int) -> str:
@@ -759,7 +884,7 @@ def sft_batch(tokenizer, questions, answers, device):
     return ids.to(device), attn.to(device), labels.to(device)
 
 
-def supervised_warmup(model, tokenizer, train, args: Args, device):
+def supervised_warmup(model, tokenizer, train_split, args: Args, device):
     """A short supervised phase so the policy starts with partial accuracy (RL needs some reward)."""
     from tqdm.auto import tqdm
     gen = torch.Generator().manual_seed(args.seed)
@@ -768,8 +893,8 @@ def supervised_warmup(model, tokenizer, train, args: Args, device):
     model.train()
     bar = tqdm(range(args.warmup_steps), desc="warm-up", dynamic_ncols=True)
     for _ in bar:
-        idx = torch.randint(len(train), (args.warmup_batch,), generator=gen).tolist()
-        rows = train.select(idx)
+        idx = torch.randint(len(train_split), (args.warmup_batch,), generator=gen).tolist()
+        rows = train_split.select(idx)
         demos = rows["demonstration"] if "demonstration" in rows.column_names else rows["answer"]
         ids, attn, labels = sft_batch(tokenizer, list(rows["question"]), list(demos), device)
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
@@ -861,116 +986,6 @@ def switch_off_dropout(model) -> None:
         for key, value in list(vars(module).items()):
             if "dropout" in key and isinstance(value, float):
                 setattr(module, key, 0.0)
-
-
-# =====================================================================================================
-# 2b. Memory: the plan printed before a run
-# =====================================================================================================
-# An estimate, by part, of the peak memory of a run, made from the model's config before any weight
-# is loaded. The parts that do not depend on the rollout size are the model's: weights, gradients
-# and Adam's two moments in float32 (16 bytes per parameter), and a float32 reference model when the
-# objective needs one. The rest is per forward pass (--micro-batch-size rows): the activations kept
-# for the backward, and the logits [b, T, V], which dominate with a large vocabulary (151,936 for
-# Qwen2.5: 0.6 MB per position in float32). Generation's KV cache grows with the rollout. On the CPU
-# the plan counts what the run adds to the process, not the ~0.5 GB that torch and transformers take.
-
-def model_config_for_plan(args: Args, task):
-    """The config of the model the run will train (built-in: made here, nothing is trained yet)."""
-    from transformers import AutoConfig
-    if args.model is None:
-        return tiny_model_config(args, builtin_tokenizer(task if task is not None else load_task(args)))
-    offline_reason = None if os.path.exists(args.model) else use_offline_hub_if_unreachable()
-    try:
-        return AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-    except Exception as e:  # noqa: BLE001 -- any loading failure is a user-facing one-liner
-        cannot_load("the config of model", args.model, e, offline_reason,
-                    "give a local model directory, or run without --model for the built-in tiny model")
-
-
-def memory_plan(args: Args, config, needs_ref: bool) -> dict:
-    """Estimated bytes by part, and the peak: the model's parts plus the larger of the two phases
-    (generation, update), which never overlap."""
-    from transformers import AutoModelForCausalLM
-    with torch.device("meta"):                            # shapes only: no memory, no weights
-        meta_model = AutoModelForCausalLM.from_config(config)
-    n_params = sum(p.numel() for p in meta_model.parameters())
-    H, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
-    heads = config.num_attention_heads
-    kv_dim = getattr(config, "num_key_value_heads", None) or heads
-    kv_dim = kv_dim * H // heads
-    inner = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * H
-    b = rows_per_forward(args)                            # rows per forward and backward
-    rollout = args.prompts_per_step * args.group_size     # rows generated at once (evaluation too)
-    S = args.max_prompt_tokens + args.max_new_tokens      # longest sequence
-    T = args.max_new_tokens
-    act = 2 if args.precision == "bf16" else 4            # bytes of an activation or a logit
-    # Per token and layer, what a transformer layer keeps for its backward: norms, q/k/v, the
-    # attention output and its weights, the residuals and the MLP's hidden layers.
-    per_layer_token = (7 * H + 2 * kv_dim + heads * S + 4 * inner) * act
-    layer_inputs = L * b * S * H * 4                      # what gradient checkpointing keeps
-    one_layer = b * S * per_layer_token
-    logits = b * (T + 1) * V * act                        # one forward's logits [b, T + 1, V]
-    chunk = min(LOGITS_CHUNK_BYTES, b * (T + 1) * V * 4)  # one chunk of float32 softmax temporaries
-    check = min(args.entropy_check_rows * T, ENTROPY_CHECK_MAX_POSITIONS) * V * act
-    plan = {
-        "weights (fp32)": 4 * n_params,
-        "gradients (fp32)": 4 * n_params,
-        "Adam moments (fp32)": 8 * n_params,
-        "reference model (fp32)": 4 * n_params if needs_ref else 0,
-        "activations, one micro-batch": layer_inputs + one_layer if args.gradient_checkpointing else L * one_layer,
-        # the logits, their gradient, the gradient of the slice [:, :-1] taken of them, and
-        # softmax temporaries chunk by chunk
-        "logits, one micro-batch": 3 * logits + 4 * chunk,
-        "entropy check (logits before)": check,
-        "generation KV cache": 2 * L * rollout * S * kv_dim * act,
-        "generation logits": rollout * V * 4 * 3
-                             + (rollout * T * V * 4 if args.check_sampling_logprobs
-                                and rollout * T * V * 4 < SAMPLING_CHECK_MAX_BYTES else 0),
-    }
-    # The update's peak: its micro-batch (activations and logits) while the entropy check's "before"
-    # logits wait; or the entropy check itself: before and after, one forward's logits, temporaries.
-    update = max(plan["activations, one micro-batch"] + plan["logits, one micro-batch"] + check,
-                 2 * check + logits + 6 * chunk)
-    generation = plan["generation KV cache"] + plan["generation logits"]
-    model = sum(plan[k] for k in ("weights (fp32)", "gradients (fp32)", "Adam moments (fp32)",
-                                  "reference model (fp32)"))
-    return {"parts": plan, "n_params": n_params, "peak": model + max(update, generation),
-            "phase": "update" if update >= generation else "generation",
-            "supports_gradient_checkpointing": meta_model.supports_gradient_checkpointing}
-
-
-def device_memory(device) -> int:
-    """Bytes the run may use: the GPU's total memory, or the memory the CPU machine has available."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    for line in open("/proc/meminfo") if os.path.exists("/proc/meminfo") else []:
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def print_memory_plan(plan: dict, capacity: int, device) -> None:
-    gib = 2**30
-    print(f"memory plan (estimate; {plan['n_params'] / 1e6:.1f}M parameters):")
-    for part, nbytes in plan["parts"].items():
-        print(f"  {part:<32} {nbytes / gib:8.2f} GiB")
-    print(f"  {'estimated peak (' + plan['phase'] + ')':<32} {plan['peak'] / gib:8.2f} GiB of {capacity / gib:.1f} GiB "
-          f"{'on the GPU' if device.type == 'cuda' else 'available on this machine'}", flush=True)
-
-
-def check_memory(args: Args, task, device, needs_ref: bool) -> dict:
-    """Print the plan; refuse, in one line, a run that would not fit (unless --force)."""
-    plan = memory_plan(args, model_config_for_plan(args, task), needs_ref)
-    if args.gradient_checkpointing and not plan["supports_gradient_checkpointing"]:
-        fail(f"argument --gradient-checkpointing: model {args.model!r} does not support gradient checkpointing; "
-             f"run without --gradient-checkpointing")
-    capacity = device_memory(device)
-    print_memory_plan(plan, capacity, device)
-    if plan["peak"] > capacity and not args.force and not args.dry_run:
-        fail(f"the estimated peak memory {plan['peak'] / 2**30:.1f} GiB exceeds the {capacity / 2**30:.1f} GiB "
-             f"of the device; lower --micro-batch-size, --max-new-tokens or --prompts-per-step, add "
-             f"--gradient-checkpointing or --precision bf16, or pass --force to try anyway")
-    return plan
 
 
 # =====================================================================================================
@@ -1090,11 +1105,6 @@ def minibatch_plan(keep: torch.Tensor, args: Args) -> list[list[torch.Tensor]]:
     return plan
 
 
-def rows_per_forward(args: Args) -> int:
-    """Rows in one forward pass: --micro-batch-size, or a whole (nominal) mini-batch when it is 0."""
-    return args.micro_batch_size or math.ceil(args.prompts_per_step / args.mini_batches) * args.group_size
-
-
 def completion_logits(model, batch: dict, rows, args: Args) -> torch.Tensor:
     """Logits at the completion positions only (prompt logits are never materialised).   [b, T, V]
 
@@ -1172,6 +1182,9 @@ def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return tepo.entropy_from_logits(logits.detach(), temperature, positions_per_chunk(logits.shape[-1]))
 
 
+ENTROPY_CHECK_MAX_POSITIONS = 2048   # the default built-in run checks ~1,000 (64 rows x ~16 tokens)
+
+
 class EntropyCheckPositions:
     """The logits before the update at the positions the entropy check uses (entropy_check).
 
@@ -1199,9 +1212,6 @@ class EntropyCheckPositions:
             self.before = logits.new_empty(int(self.valid.sum()), logits.shape[-1])
         valid = self.valid[rows[here]]                                              # [h, T]
         self.before[self.slot[rows[here]][valid]] = logits.detach()[here][valid]
-
-
-ENTROPY_CHECK_MAX_POSITIONS = 2048   # the default built-in run checks ~1,000 (64 rows x ~16 tokens)
 
 
 @torch.no_grad()
@@ -1442,6 +1452,14 @@ def combine_micro_batches(parts: list[tuple[dict, int]]) -> dict:
     return out
 
 
+def pearson(x: list[float], y: list[float]) -> float:
+    pairs = [(a, b) for a, b in zip(x, y) if math.isfinite(a) and math.isfinite(b)]
+    if len(pairs) < 3:
+        return float("nan")
+    xs, ys = torch.tensor(pairs, dtype=torch.float64).T
+    return torch.corrcoef(torch.stack([xs, ys]))[0, 1].item()
+
+
 @torch.no_grad()
 def entropy_check(run, batch: dict, stats: dict) -> tuple[float, float, float]:
     """Predicted vs measured entropy change of this step's updates, at the same completion positions
@@ -1470,7 +1488,7 @@ def entropy_check(run, batch: dict, stats: dict) -> tuple[float, float, float]:
 
 
 # =====================================================================================================
-# 7. Evaluation, checkpoints, the run
+# 7. Evaluation, checkpoints, logs
 # =====================================================================================================
 
 @torch.no_grad()
@@ -1624,18 +1642,124 @@ def process_memory_mb(field: str = "VmRSS") -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak, KiB on Linux
 
 
-def pearson(x: list[float], y: list[float]) -> float:
-    pairs = [(a, b) for a, b in zip(x, y) if math.isfinite(a) and math.isfinite(b)]
-    if len(pairs) < 3:
-        return float("nan")
-    xs, ys = torch.tensor(pairs, dtype=torch.float64).T
-    return torch.corrcoef(torch.stack([xs, ys]))[0, 1].item()
-
-
 def run_name(args: Args) -> str:
     task = "arith" if args.dataset is None else os.path.basename(args.dataset.rstrip("/")).replace(".jsonl", "")
     return f"{task}__{args.objective}__{args.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
 
+
+# =====================================================================================================
+# 8. Memory: the plan printed before a run
+# =====================================================================================================
+# An estimate, by part, of the peak memory of a run, made from the model's config before any weight
+# is loaded. The parts that do not depend on the rollout size are the model's: weights, gradients
+# and Adam's two moments in float32 (16 bytes per parameter), and a float32 reference model when the
+# objective needs one. The rest is per forward pass (--micro-batch-size rows): the activations kept
+# for the backward, and the logits [b, T, V], which dominate with a large vocabulary (151,936 for
+# Qwen2.5: 0.6 MB per position in float32). Generation's KV cache grows with the rollout. On the CPU
+# the plan counts what the run adds to the process, not the ~0.5 GB that torch and transformers take.
+
+def model_config_for_plan(args: Args, task):
+    """The config of the model the run will train (built-in: made here, nothing is trained yet)."""
+    from transformers import AutoConfig
+    if args.model is None:
+        return tiny_model_config(args, builtin_tokenizer(task if task is not None else load_task(args)))
+    offline_reason = None if os.path.exists(args.model) else use_offline_hub_if_unreachable()
+    try:
+        return AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    except Exception as e:  # noqa: BLE001 -- any loading failure is a user-facing one-liner
+        cannot_load("the config of model", args.model, e, offline_reason,
+                    "give a local model directory, or run without --model for the built-in tiny model")
+
+
+def memory_plan(args: Args, config, needs_ref: bool) -> dict:
+    """Estimated bytes by part, and the peak: the model's parts plus the larger of the two phases
+    (generation, update), which never overlap."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):                            # shapes only: no memory, no weights
+        meta_model = AutoModelForCausalLM.from_config(config)
+    n_params = sum(p.numel() for p in meta_model.parameters())
+    H, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    heads = config.num_attention_heads
+    kv_dim = getattr(config, "num_key_value_heads", None) or heads
+    kv_dim = kv_dim * H // heads
+    inner = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * H
+    b = rows_per_forward(args)                            # rows per forward and backward
+    rollout = args.prompts_per_step * args.group_size     # rows generated at once (evaluation too)
+    S = args.max_prompt_tokens + args.max_new_tokens      # longest sequence
+    T = args.max_new_tokens
+    act = 2 if args.precision == "bf16" else 4            # bytes of an activation or a logit
+    # Per token and layer, what a transformer layer keeps for its backward: norms, q/k/v, the
+    # attention output and its weights, the residuals and the MLP's hidden layers.
+    per_layer_token = (7 * H + 2 * kv_dim + heads * S + 4 * inner) * act
+    layer_inputs = L * b * S * H * 4                      # what gradient checkpointing keeps
+    one_layer = b * S * per_layer_token
+    logits = b * (T + 1) * V * act                        # one forward's logits [b, T + 1, V]
+    chunk = min(LOGITS_CHUNK_BYTES, b * (T + 1) * V * 4)  # one chunk of float32 softmax temporaries
+    check = min(args.entropy_check_rows * T, ENTROPY_CHECK_MAX_POSITIONS) * V * act
+    plan = {
+        "weights (fp32)": 4 * n_params,
+        "gradients (fp32)": 4 * n_params,
+        "Adam moments (fp32)": 8 * n_params,
+        "reference model (fp32)": 4 * n_params if needs_ref else 0,
+        "activations, one micro-batch": layer_inputs + one_layer if args.gradient_checkpointing else L * one_layer,
+        # the logits, their gradient, the gradient of the slice [:, :-1] taken of them, and
+        # softmax temporaries chunk by chunk
+        "logits, one micro-batch": 3 * logits + 4 * chunk,
+        "entropy check (logits before)": check,
+        "generation KV cache": 2 * L * rollout * S * kv_dim * act,
+        "generation logits": rollout * V * 4 * 3
+                             + (rollout * T * V * 4 if args.check_sampling_logprobs
+                                and rollout * T * V * 4 < SAMPLING_CHECK_MAX_BYTES else 0),
+    }
+    # The update's peak: its micro-batch (activations and logits) while the entropy check's "before"
+    # logits wait; or the entropy check itself: before and after, one forward's logits, temporaries.
+    update = max(plan["activations, one micro-batch"] + plan["logits, one micro-batch"] + check,
+                 2 * check + logits + 6 * chunk)
+    generation = plan["generation KV cache"] + plan["generation logits"]
+    model = sum(plan[k] for k in ("weights (fp32)", "gradients (fp32)", "Adam moments (fp32)",
+                                  "reference model (fp32)"))
+    return {"parts": plan, "n_params": n_params, "peak": model + max(update, generation),
+            "phase": "update" if update >= generation else "generation",
+            "supports_gradient_checkpointing": meta_model.supports_gradient_checkpointing}
+
+
+def device_memory(device) -> int:
+    """Bytes the run may use: the GPU's total memory, or the memory the CPU machine has available."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    for line in open("/proc/meminfo") if os.path.exists("/proc/meminfo") else []:
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def print_memory_plan(plan: dict, capacity: int, device) -> None:
+    gib = 2**30
+    print(f"memory plan (estimate; {plan['n_params'] / 1e6:.1f}M parameters):")
+    for part, nbytes in plan["parts"].items():
+        print(f"  {part:<32} {nbytes / gib:8.2f} GiB")
+    print(f"  {'estimated peak (' + plan['phase'] + ')':<32} {plan['peak'] / gib:8.2f} GiB of {capacity / gib:.1f} GiB "
+          f"{'on the GPU' if device.type == 'cuda' else 'available on this machine'}", flush=True)
+
+
+def check_memory(args: Args, task, device, needs_ref: bool) -> dict:
+    """Print the plan; refuse, in one line, a run that would not fit (unless --force)."""
+    plan = memory_plan(args, model_config_for_plan(args, task), needs_ref)
+    if args.gradient_checkpointing and not plan["supports_gradient_checkpointing"]:
+        fail(f"argument --gradient-checkpointing: model {args.model!r} does not support gradient checkpointing; "
+             f"run without --gradient-checkpointing")
+    capacity = device_memory(device)
+    print_memory_plan(plan, capacity, device)
+    if plan["peak"] > capacity and not args.force and not args.dry_run:
+        fail(f"the estimated peak memory {plan['peak'] / 2**30:.1f} GiB exceeds the {capacity / 2**30:.1f} GiB "
+             f"of the device; lower --micro-batch-size, --max-new-tokens or --prompts-per-step, add "
+             f"--gradient-checkpointing or --precision bf16, or pass --force to try anyway")
+    return plan
+
+
+# =====================================================================================================
+# 9. The run: start or resume it, the loop, the summary
+# =====================================================================================================
 
 @dataclass
 class Run:
@@ -1697,7 +1821,7 @@ def train(args: Args, obj_overrides: dict) -> dict:
 
 def resumed_args(args: Args, obj_overrides: dict) -> tuple[Args, dict]:
     """With --resume: the saved settings, with run-only fields and --steps from args (parse_args has
-    already refused flags that would change the run; compare() resumes its runs without flags)."""
+    already refused flags that would change the run; compare_objectives() resumes its runs without flags)."""
     if not args.resume:
         return args, obj_overrides
     saved, checkpoint_step = check_resumable(args.resume)
@@ -1713,7 +1837,7 @@ def dry_run(args: Args, obj_overrides: dict) -> None:
     """--dry-run: print the memory plan; nothing is trained, loaded or written (with --model, only its
     config is read, and the data set is not needed)."""
     args, obj_overrides = resumed_args(args, obj_overrides)
-    cfg, _ = objective_config(args, obj_overrides)
+    cfg = objective_config(args, obj_overrides)
     check_memory(args, None, pick_device(args), tepo.needs_ref(args.objective, cfg))
 
 
@@ -1724,7 +1848,7 @@ def start_run(args: Args, obj_overrides: dict) -> Run:
     resume_dir = args.resume
     args, obj_overrides = resumed_args(args, obj_overrides)
     device = pick_device(args)
-    cfg, builtin = objective_config(args, obj_overrides)
+    cfg = objective_config(args, obj_overrides)
     seed_everything(args.seed)
     task = load_task(args)
     check_memory(args, task, device, tepo.needs_ref(args.objective, cfg))
@@ -1755,7 +1879,7 @@ def start_run(args: Args, obj_overrides: dict) -> Run:
     else:
         os.makedirs(run_dir, exist_ok=True)
         config = {"args": dataclasses.asdict(args), "objective_overrides": obj_overrides,
-                  "builtin_overrides": builtin, "objective_config": dataclasses.asdict(cfg),
+                  "objective_config": dataclasses.asdict(cfg),
                   "start_model": start_model, "needs_ref": ref_model is not None}
         write_atomically(os.path.join(run_dir, "config.json"), lambda f: f.write(json.dumps(config, indent=2).encode()))
         for path in logs:
@@ -1865,137 +1989,10 @@ def accuracy_auc(steps: list[int], accuracy: list[float]) -> float:
 
 
 # =====================================================================================================
-# Run safety: resume that cannot destroy, Ctrl-C that keeps the step, an unreachable hub found in seconds
-# =====================================================================================================
-
-def check_resumable(run_dir: str) -> tuple[dict, int]:
-    """(saved config.json, step of checkpoint.pt) of a run directory that --resume can continue.
-    Otherwise one line saying why not. Only reads: nothing on disk changes either way."""
-    config_path, ckpt_path = os.path.join(run_dir, "config.json"), os.path.join(run_dir, "checkpoint.pt")
-    if not os.path.isfile(config_path):
-        fail(f"argument --resume: {run_dir!r} has no config.json; give a run directory of train_small.py")
-    try:
-        with open(config_path) as f:
-            saved = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        fail(f"argument --resume: {config_path} is damaged ({type(e).__name__}: {first_line(e)}); "
-             "the run cannot be resumed (nothing was changed)")
-    if not (isinstance(saved, dict) and isinstance(saved.get("args"), dict)
-            and isinstance(saved.get("objective_overrides"), dict)):
-        fail(f"argument --resume: {config_path} is not a run configuration of train_small.py "
-             "(it needs args and objective_overrides); the run cannot be resumed (nothing was changed)")
-    unknown = sorted(set(saved["args"]) - set(Args.__dataclass_fields__)
-                     | set(saved["objective_overrides"]) - set(tepo.ObjectiveConfig.__dataclass_fields__))
-    if unknown:
-        fail(f"argument --resume: {config_path} has settings this version of train_small.py does not know "
-             f"({', '.join(unknown)}); the run cannot be resumed (nothing was changed)")
-    if not os.path.isfile(ckpt_path):
-        fail(f"argument --resume: {run_dir!r} has no checkpoint.pt: the run stopped before its first "
-             "checkpoint; start it again without --resume (nothing was changed)")
-    try:      # the zip checksums catch damaged tensor data; the load (memory-mapped) the rest
-        with zipfile.ZipFile(ckpt_path) as z:
-            damaged_member = z.testzip()
-        if damaged_member is not None:
-            raise ValueError(f"checksum mismatch in {damaged_member}")
-        step = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)["step"]
-    except Exception as e:  # noqa: BLE001 -- whatever is wrong with the file, the answer is one line
-        fail(f"argument --resume: {ckpt_path} is damaged ({type(e).__name__}: {first_line(e)}); "
-             "the run cannot be resumed (nothing was changed)")
-    return saved, int(step)
-
-
-def first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [""])[0][:150]
-
-
-def resume_args(args: Args, obj_overrides: dict, given: set[str], saved: dict,
-                checkpoint_step: int) -> tuple[Args, dict]:
-    """The saved run's settings, with the command line's run-only fields (RUN_ONLY_FIELDS) and --steps.
-
-    A flag that would change what is computed refuses the run in one line that lists every such flag
-    (giving a setting its saved value is fine). --steps may extend a finished or interrupted run, or
-    shorten an interrupted one down to its checkpoint's step."""
-    run_dir = args.resume
-    saved_args = Args(**saved["args"])
-    saved_cfg = dataclasses.asdict(objective_config(saved_args, saved["objective_overrides"])[0])
-    changed = [name for name in sorted(given - set(RUN_ONLY_FIELDS) - {"steps"})
-               if (obj_overrides[name] != saved_cfg[name] if name in obj_overrides
-                   else getattr(args, name) != getattr(saved_args, name))]
-    if "out" in given and os.path.normpath(args.out) != os.path.normpath(run_dir):
-        changed.append("out")
-    if changed:
-        values = ", ".join(f"{flag(n)} {obj_overrides.get(n, getattr(args, n, None))!r}" for n in changed)
-        fail(f"argument --resume: a resumed run keeps its saved settings, and these flags would change them: "
-             f"{values}; drop them, or start a new run without --resume")
-    steps = args.steps if "steps" in given else saved_args.steps
-    if steps < checkpoint_step:
-        fail(f"argument --steps: invalid value {steps}; choose an integer >= {checkpoint_step}, the step of "
-             f"{run_dir}'s checkpoint")
-    run_only = {k: getattr(args, k) for k in RUN_ONLY_FIELDS}
-    return (dataclasses.replace(saved_args, **{**run_only, "steps": steps, "out": run_dir}),
-            dict(saved["objective_overrides"]))
-
-
-def ctrl_c_finishes_the_step(run_dir: str):
-    """Make Ctrl-C (SIGINT) stop the RL loop cleanly. Returns (interrupted, restore): interrupted()
-    says whether Ctrl-C was pressed; the loop then finishes the step, logs and checkpoints it, and
-    exits with status 130. A second Ctrl-C aborts at once (the run resumes from its last checkpoint).
-    restore() puts the previous handler back."""
-    pressed = []
-
-    def handler(signum, frame):
-        if pressed:
-            print(f"aborted; resume from the last checkpoint with: python train_small.py --resume {run_dir}",
-                  file=sys.stderr)
-            raise SystemExit(130)
-        pressed.append(signum)
-
-    try:
-        previous = signal.signal(signal.SIGINT, handler)
-    except ValueError:                 # not the main thread: Ctrl-C keeps its usual meaning
-        return (lambda: False), (lambda: None)
-    return (lambda: bool(pressed)), (lambda: signal.signal(signal.SIGINT, previous))
-
-
-HUB_PROBE_SECONDS = 5
-
-
-def cannot_load(what: str, name: str, e: Exception, offline_reason: str | None, instead: str) -> None:
-    """One line for a model or dataset that could not be loaded: the unreachable hub when that is why."""
-    why = f"{offline_reason}, and it is not in the local cache" if offline_reason else \
-        f"{type(e).__name__}: {first_line(e)}"
-    fail(f"could not load {what} {name!r}: {why}; {instead}")
-
-
-def use_offline_hub_if_unreachable() -> str | None:
-    """Probe the Hugging Face hub (at most HUB_PROBE_SECONDS). If it does not answer, switch the hub
-    libraries to offline mode, so loading uses the local cache at once instead of retrying for a
-    minute, and return why (for the error message); None if the hub answered. Once offline mode is on,
-    no probe: the reason is returned if a probe turned it on (TEPO_HUB_UNREACHABLE), else None."""
-    import urllib.error
-    import urllib.request
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
-        return os.environ.get("TEPO_HUB_UNREACHABLE")
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    try:
-        urllib.request.urlopen(endpoint, timeout=HUB_PROBE_SECONDS).close()
-        return None
-    except urllib.error.HTTPError:      # it answered, even if with an error status
-        return None
-    except Exception as e:  # noqa: BLE001 -- no network, DNS, timeout, proxy: all mean "unreachable"
-        reason = f"the Hugging Face hub ({endpoint}) is unreachable ({first_line(getattr(e, 'reason', e))})"
-    os.environ["HF_HUB_OFFLINE"], os.environ["TEPO_HUB_UNREACHABLE"] = "1", reason
-    for module in ("huggingface_hub.constants", "datasets.config"):     # read the variable when imported
-        if module in sys.modules:
-            sys.modules[module].HF_HUB_OFFLINE = True
-    return reason
-
-
-# =====================================================================================================
 # Modes: --compare and --bench
 # =====================================================================================================
 
-def compare(args: Args, obj_overrides: dict) -> None:
+def compare_objectives(args: Args, obj_overrides: dict) -> None:
     """Several objectives x seeds on the same task, sequentially in-process. Writes <out>/summary.md
     and summary.json: per objective the mean and std over seeds, and, paired by seed, each objective
     minus --baseline with a 95% interval (paired_differences)."""
@@ -2164,7 +2161,7 @@ def student_t_central(t: float, dof: int) -> float:
     return sin * series
 
 
-def bench(args: Args, obj_overrides: dict) -> None:
+def benchmark(args: Args, obj_overrides: dict) -> None:
     """Per-phase seconds, tokens/s and peak memory of our RL step, and of TRL's GRPOTrainer on the
     same model directory, batch, group size and lengths (two mini-batches per rollout for both)."""
     try:
@@ -2240,9 +2237,9 @@ def main(argv=None) -> int:
     if args.dry_run:
         dry_run(args, obj_overrides)
     elif args.bench:
-        bench(args, obj_overrides)
+        benchmark(args, obj_overrides)
     elif args.compare:
-        compare(args, obj_overrides)
+        compare_objectives(args, obj_overrides)
     elif args.engine == "trl":   # the same objective inside TRL's GRPOTrainer (tepo_trl.py; needs trl)
         try:
             import tepo_trl
