@@ -2332,7 +2332,8 @@ def test_dropout_settings_are_off_also_in_train_mode_with_checkpointing(tmp_path
 def test_the_whole_loop_runs_in_bf16_on_the_cpu(objective, workdir):
     """--precision bf16 (CPU autocast): the loop runs, the first mini-batch is still exactly
     on-policy (same rows, same forward), and the logged noise floor of bf16 is above 0."""
-    run_main([*MICRO, "--objective", objective, "--steps", "2", "--precision", "bf16", "--out", f"runs/bf16_{objective}"])
+    run_main([*MICRO, "--objective", objective, "--steps", "2", "--precision", "bf16",
+              "--out", f"runs/bf16_{objective}"])
     rows = read_rows(f"runs/bf16_{objective}")[1:]
     updated = [r for r in rows if not r["dynamic_sampling/skipped"]]    # DAPO's filter may skip a step
     assert updated and all(math.isfinite(r["loss"]) for r in updated)
@@ -2509,7 +2510,8 @@ def test_paired_block_with_one_seed_has_no_interval_and_skips_unreached_targets(
     paired = ts.paired_differences({"grpo": [base], "tepo": [other]}, args)["tepo"]
     assert paired["gain_points"]["per_seed"] == [3.5] and paired["gain_points"]["mean"] == 3.5
     assert paired["gain_points"]["low"] is None and paired["gain_points"]["high"] is None
-    assert paired["accuracy_auc"]["mean"] == pytest.approx(2.0) and paired["final_pass@4"]["mean"] == pytest.approx(-5.0)
+    assert paired["accuracy_auc"]["mean"] == pytest.approx(2.0)
+    assert paired["final_pass@4"]["mean"] == pytest.approx(-5.0)
     assert paired["steps_to_target"] == {"label": "steps to target accuracy", "per_seed": [None], "n": 0,
                                          "mean": None, "std": None, "half_width": None, "low": None, "high": None}
     lines = ts.paired_table({"tepo": paired}, args, [1])
