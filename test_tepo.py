@@ -2364,6 +2364,19 @@ def test_a_run_that_would_not_fit_is_refused_in_one_line(workdir, monkeypatch, c
     ts.check_memory(args, ts.load_task(args), torch.device("cpu"), False)    # --force: no refusal
 
 
+def test_gradient_checkpointing_on_a_model_without_it_is_refused_in_one_line(workdir, monkeypatch, capsys):
+    """transformers marks each architecture with supports_gradient_checkpointing; one without it
+    (here GPT-2, marked so for the test) is refused before anything is created or loaded."""
+    from transformers import GPT2PreTrainedModel
+    monkeypatch.setattr(GPT2PreTrainedModel, "supports_gradient_checkpointing", False)
+    with pytest.raises(SystemExit) as e:
+        ts.main([*MICRO, "--gradient-checkpointing", "--out", "runs/no_ckpt"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--gradient-checkpointing" in err[0] and "does not support" in err[0]
+    assert not os.path.exists("runs/no_ckpt")
+
+
 def test_peak_memory_restarts_with_each_run():
     if not os.path.exists("/proc/self/clear_refs"):
         pytest.skip("needs Linux /proc")
