@@ -1027,6 +1027,13 @@ def autocast(device, precision: str):
 SAMPLING_CHECK_MAX_BYTES = 2**30
 
 
+def sampling_check_bytes(args: Args, vocab_size: int) -> int:
+    """Bytes of generate's stacked logits [B, T, V] kept for the sampling check; 0 when it is off or
+    would take more than SAMPLING_CHECK_MAX_BYTES."""
+    nbytes = args.prompts_per_step * args.group_size * args.max_new_tokens * vocab_size * 4
+    return nbytes if args.check_sampling_logprobs and nbytes < SAMPLING_CHECK_MAX_BYTES else 0
+
+
 @torch.no_grad()
 def generate_group(model, tokenizer, questions: list[str], group_size: int, args: Args, device,
                    greedy: bool = False, want_logprobs: bool = False) -> dict:
@@ -1204,14 +1211,17 @@ class EntropyCheckPositions:
 
     def capture(self, rows: torch.Tensor, logits: torch.Tensor) -> None:
         """Keep the rollout-policy logits of this forward's checked positions."""
+        if self.before is None and (rows < self.rows).any():
+            self.before = logits.new_empty(int(self.valid.sum()), logits.shape[-1])
+        self.copy_into(self.before, rows, logits)
+
+    def copy_into(self, out: torch.Tensor, rows: torch.Tensor, logits: torch.Tensor) -> None:
+        """out[slot] = the logits of this forward ([b, T, V], rows [b]) at its checked positions."""
         rows = rows.to(self.valid.device)
         here = rows < self.rows
-        if not here.any():
-            return
-        if self.before is None:
-            self.before = logits.new_empty(int(self.valid.sum()), logits.shape[-1])
-        valid = self.valid[rows[here]]                                              # [h, T]
-        self.before[self.slot[rows[here]][valid]] = logits.detach()[here][valid]
+        if here.any():
+            valid = self.valid[rows[here]]                                          # [h, T]
+            out[self.slot[rows[here]][valid]] = logits.detach()[here][valid]
 
 
 @torch.no_grad()
@@ -1479,9 +1489,7 @@ def entropy_check(run, batch: dict, stats: dict) -> tuple[float, float, float]:
         return float("nan"), float("nan"), float("nan")
     after = torch.empty_like(check.before)                                          # [n, V]
     for rows in torch.arange(check.rows).split(rows_per_forward(run.args)):
-        logits = completion_logits(run.model, batch, rows, run.args)
-        valid = check.valid[rows.to(check.valid.device)]
-        after[check.slot[rows.to(check.valid.device)][valid]] = logits[valid]
+        check.copy_into(after, rows, completion_logits(run.model, batch, rows, run.args))
     predicted, measured = tepo.entropy_change_prediction(check.before, after, run.args.temperature,
                                                          positions_per_chunk(after.shape[-1]))
     return predicted.mean().item(), measured.mean().item(), pearson(predicted.tolist(), measured.tolist())
@@ -1707,9 +1715,7 @@ def memory_plan(args: Args, config, needs_ref: bool) -> dict:
         "logits, one micro-batch": 3 * logits + 4 * chunk,
         "entropy check (logits before)": check,
         "generation KV cache": 2 * L * rollout * S * kv_dim * act,
-        "generation logits": rollout * V * 4 * 3
-                             + (rollout * T * V * 4 if args.check_sampling_logprobs
-                                and rollout * T * V * 4 < SAMPLING_CHECK_MAX_BYTES else 0),
+        "generation logits": rollout * V * 4 * 3 + sampling_check_bytes(args, V),
     }
     # The update's peak: its micro-batch (activations and logits) while the entropy check's "before"
     # logits wait; or the entropy check itself: before and after, one forward's logits, temporaries.
@@ -1895,7 +1901,7 @@ def rl_step(run: Run, step: int) -> tuple[dict, dict | None]:
     args, t0 = run.args, time.time()
     records = run.train_set.select(prompts_for_step(step, len(run.train_set), args))            # 1. prompts
     batch = generate_group(run.model, run.tokenizer, list(records["question"]), args.group_size, args,   # 2. samples
-                           run.device, want_logprobs=wants_sampling_check(run))
+                           run.device, want_logprobs=sampling_check_bytes(args, run.model.config.vocab_size) > 0)
     t1 = time.time()
     golds = [gold_answer(a) for a in records["answer"] for _ in range(args.group_size)]
     scored = compute_rewards(batch, decode(run.tokenizer, batch), golds, args, run.cfg)         # 3. rewards
@@ -1915,14 +1921,6 @@ def rl_step(run: Run, step: int) -> tuple[dict, dict | None]:
            "timing/generate": t1 - t0, "timing/reward": t2 - t1, "timing/update": t3 - t2, "step_time": t3 - t0,
            "perf/tokens_per_second": batch["completion_mask"].sum().item() / (t3 - t0)}
     return row, details.row(step, batch, scored["rewards"], run.tokenizer) if details else None
-
-
-def wants_sampling_check(run: Run) -> bool:
-    """Keep generate's log-probs for the sampling check, unless stacking its logits is too large."""
-    args = run.args
-    rows = args.prompts_per_step * args.group_size
-    return args.check_sampling_logprobs and rows * args.max_new_tokens * run.model.config.vocab_size * 4 \
-        < SAMPLING_CHECK_MAX_BYTES
 
 
 def rollout_metrics(batch: dict, scored: dict, keep: torch.Tensor, stats: dict, args: Args) -> dict:
