@@ -94,6 +94,7 @@ import tepo  # noqa: E402
 class Args:
     # --- run ---
     objective: str = "tepo"             # the RL objective; it picks the paper values of the objective settings below
+    regime: str = "default"             # named preset of the settings below (REGIMES); flags given explicitly win
     seed: int = 1                       # seeds python, torch, the task split and generation
     out: str | None = None              # run directory (default: runs/<task>__<objective>__<seed>__<time>)
     device: str = "auto"                # auto: cuda if available, else cpu
@@ -148,9 +149,9 @@ class Args:
     target_accuracy: float = 0.40       # --compare: steps needed to reach this held-out accuracy
     # --- modes ---
     resume: str | None = None           # continue the run in this directory from its checkpoint
-    compare: str | None = None          # comma-separated objectives to run on the same task and seeds
+    compare: str | None = None          # comma-separated objectives (or variants: tepo:beta=0) on the same seeds
     seeds: int = 1                      # --compare: number of seeds (seed, seed+1, ...)
-    baseline: str = "grpo"              # --compare: the objective the others are paired against
+    baseline: str = "grpo"              # --compare: the objective (or variant) the others are paired against
     bench: bool = False                 # time one RL step against TRL's GRPOTrainer and exit
     bench_steps: int = 3                # --bench: timed steps (after one untimed step)
     stop_after: int | None = None       # stop after this step as if interrupted (testing --resume)
@@ -208,15 +209,43 @@ def hub_id_or_local(v: str) -> bool:
     return HUB_ID.fullmatch(v) is not None
 
 
-def objective_list(v: str) -> bool:
-    names = v.split(",")
-    return len(set(names)) == len(names) and all(n in tepo.OBJECTIVES for n in names)
+def variant(spec: str) -> tuple[str, dict]:
+    """--compare's entries: 'tepo:beta=0:entropy_criterion=measured' -> ('tepo', {'beta': 0.0,
+    'entropy_criterion': 'measured'}): an objective and objective settings that only this entry gets."""
+    name, *settings = spec.split(":")
+    overrides = {}
+    for setting in settings:
+        field, _, text = setting.partition("=")
+        overrides[field] = converter(field)(text) if field in tepo.ObjectiveConfig.__dataclass_fields__ else text
+    return name, overrides
+
+
+def variant_problem(spec: str) -> str | None:
+    """None if `spec` is a valid --compare entry, else what is wrong with it."""
+    name, *settings = spec.split(":")
+    if name not in tepo.OBJECTIVES:
+        return f"{name!r} is not an objective"
+    for setting in settings:
+        field, equals, text = setting.partition("=")
+        if field not in tepo.ObjectiveConfig.__dataclass_fields__ or not equals:
+            return f"{setting!r} is not a setting=value of an objective setting"
+        try:
+            converter(field)(text)
+        except argparse.ArgumentTypeError as e:
+            return f"{field}={text!r}: {e}"
+    return None
+
+
+def variant_list(v: str) -> bool:
+    specs = v.split(",")
+    return len(set(specs)) == len(specs) and all(variant_problem(s) is None for s in specs)
 
 
 # field -> (what a valid value is, test of one value, choices shown by --help or None)
 VALID: dict[str, tuple] = {
     # --- run ---
     "objective": one_of(sorted(tepo.OBJECTIVES)),
+    "regime": one_of(["default", "collapse"]),
     "seed": at_least(0),
     "out": path("a directory path (not an existing file)", lambda p: not os.path.isfile(p)),
     "device": one_of(["auto", "cpu", "cuda"]),
@@ -268,10 +297,12 @@ VALID: dict[str, tuple] = {
     "target_accuracy": fraction(),
     # --- modes ---
     "resume": path("an existing run directory", os.path.isdir),
-    "compare": ("a comma-separated list of distinct objectives from: " + ", ".join(sorted(tepo.OBJECTIVES)),
-                objective_list, None),
+    "compare": ("a comma-separated list of distinct objectives from: " + ", ".join(sorted(tepo.OBJECTIVES))
+                + "; each may carry objective settings, e.g. tepo:beta=0:entropy_criterion=measured",
+                variant_list, None),
     "seeds": at_least(1),
-    "baseline": one_of(sorted(tepo.OBJECTIVES)),
+    "baseline": ("an objective of --compare, written as there (e.g. grpo or tepo:beta=0)",
+                 lambda v: variant_problem(v) is None, None),
     "bench_steps": at_least(1),
     "stop_after": at_least(1),
     # --- objective settings: the choices, and two fractions tepo.check_config only requires >= 0 ---
@@ -459,9 +490,9 @@ def check_values(args: Args, obj_overrides: dict) -> None:
         problem = invalid(name, value)
         if problem:
             fail(f"argument {flag(name)}: invalid value {value!r}; choose {problem}")
-    for objective in args.compare.split(",") if args.compare else [args.objective]:
+    for objective, overrides in compare_entries(args) if args.compare else [(args.objective, {})]:
         try:
-            tepo.config_for(objective, **obj_overrides)
+            tepo.config_for(objective, **{**obj_overrides, **overrides})
         except ValueError as e:       # "eps_low=-0.1 is not valid; choose a number >= 0"
             m = re.fullmatch(r"(\w+)=(.*) is not valid; choose (.*)", str(e))
             if not m:
@@ -478,7 +509,7 @@ def check_values(args: Args, obj_overrides: dict) -> None:
 
 def warn_ignored(args: Args, obj_overrides: dict) -> None:
     """One warning line per objective setting given that no objective of this run reads (the run goes on)."""
-    objectives = args.compare.split(",") if args.compare else [args.objective]
+    objectives = [name for name, _ in compare_entries(args)] if args.compare else [args.objective]
     for name in obj_overrides:
         if not any(name in tepo.FIELDS_READ[o] for o in objectives):
             readers = [o for o in tepo.OBJECTIVES if name in tepo.FIELDS_READ[o]]
@@ -486,11 +517,25 @@ def warn_ignored(args: Args, obj_overrides: dict) -> None:
                  f"(read by: {', '.join(readers)})")
 
 
+def compare_entries(args: Args) -> list[tuple[str, dict]]:
+    """--compare's entries as (objective, its own objective settings)."""
+    return [variant(spec) for spec in args.compare.split(",")]
+
+
+# Named presets (--regime): settings a flag given explicitly still overrides. Recorded in config.json
+# like every other setting. `collapse` is the learning rate at which, on the built-in task, GRPO's
+# entropy falls fast and pass@16 ends below its starting value while greedy accuracy stays flat
+# (README, "Two regimes"); 1e-3 breaks the model instead (greedy accuracy 0.04 after 100 steps).
+REGIMES = {"default": {}, "collapse": {"lr": 3e-4}}
+
+
 def parse_args(argv=None) -> tuple[Args, dict]:
     """Parse and validate the command line. Returns (args, objective overrides from flags).
     With --resume: the run's saved settings, with the command line's run-only fields and --steps."""
     given = vars(build_parser().parse_args(argv))            # only the flags on the command line
     args = Args(**{k: v for k, v in given.items() if k in Args.__dataclass_fields__})
+    if not args.resume and args.regime in REGIMES:
+        args = dataclasses.replace(args, **{k: v for k, v in REGIMES[args.regime].items() if k not in given})
     obj_overrides = {k: v for k, v in given.items() if k not in Args.__dataclass_fields__}
     if args.resume:
         saved, checkpoint_step = check_resumable(args.resume)
@@ -1999,9 +2044,9 @@ def compare_objectives(args: Args, obj_overrides: dict) -> None:
     seeds = list(range(args.seed, args.seed + args.seeds))
     results = {}
     for seed in seeds:      # seed-major: early results cover every objective
-        for name in args.compare.split(","):
-            run_dir = os.path.join(out, f"{name}__{seed}")
-            run = dataclasses.replace(args, objective=name, seed=seed, compare=None, out=run_dir)
+        for name, (objective, overrides) in zip(args.compare.split(","), compare_entries(args)):
+            run_dir = os.path.join(out, f"{name.replace(':', '_')}__{seed}")     # tepo:beta=0 -> tepo_beta=0__1
+            run = dataclasses.replace(args, objective=objective, seed=seed, compare=None, out=run_dir)
             # Rerunning the same --compare command (same --out) goes on where it stopped: finished runs
             # are read back, an interrupted one resumes from its checkpoint. So a long comparison can
             # be split across processes (one --compare per subset) and then assembled by a last call.
@@ -2009,9 +2054,9 @@ def compare_objectives(args: Args, obj_overrides: dict) -> None:
                 wall = json.load(open(os.path.join(run_dir, "summary.json")))["wall_seconds"]
                 summary = write_summary(run_dir, read_log(os.path.join(run_dir, "metrics.jsonl")), run, wall)
             elif os.path.exists(os.path.join(run_dir, "checkpoint.pt")):
-                summary = train(dataclasses.replace(run, resume=run_dir), obj_overrides)
+                summary = train(dataclasses.replace(run, resume=run_dir), {**obj_overrides, **overrides})
             else:
-                summary = train(run, obj_overrides)
+                summary = train(run, {**obj_overrides, **overrides})
             results.setdefault(name, []).append(summary)
     table, paired = objective_means(results, args), paired_differences(results, args)
     json.dump({"seeds": seeds, "baseline": args.baseline, "target_accuracy": args.target_accuracy,
