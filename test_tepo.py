@@ -2514,6 +2514,43 @@ def test_compare_writes_a_table_and_a_rerun_reuses_finished_runs(workdir):
     assert os.path.getmtime("runs/cmp/grpo__2/metrics.jsonl") == stamp
 
 
+def test_compare_entries_carry_their_own_objective_settings(workdir):
+    """`tepo:beta=0` is TEPO with beta 0 in its own directory, paired like any objective; it may be the baseline."""
+    run_main([*MICRO, "--compare", "tepo,tepo:beta=0:entropy_criterion=measured", "--baseline", "tepo", "--steps", "2",
+              "--out", "runs/cmp_variants"])
+    variant = json.load(open("runs/cmp_variants/tepo_beta=0_entropy_criterion=measured__1/config.json"))
+    assert variant["args"]["objective"] == "tepo"
+    assert variant["objective_config"]["beta"] == 0.0 and variant["objective_config"]["entropy_criterion"] == "measured"
+    plain = json.load(open("runs/cmp_variants/tepo__1/config.json"))
+    assert plain["objective_config"]["beta"] == tepo.PAPER_DEFAULTS["tepo"].beta
+    result = json.load(open("runs/cmp_variants/summary.json"))
+    assert set(result["paired"]) == {"tepo:beta=0:entropy_criterion=measured"}
+    assert ts.variant("dapo:dynamic_sampling=off:eps_high=0.3") == ("dapo", {"dynamic_sampling": False, "eps_high": 0.3})
+    for bad in ("tepo:bta=0", "tepo:beta=-1", "tepo:beta", "tepx", "grpo,grpo"):
+        with pytest.raises(SystemExit) as e:
+            ts.parse_args(["--compare", bad])
+        assert e.value.code == 2
+
+
+def test_regime_is_a_preset_that_explicit_flags_override():
+    assert ts.parse_args(["--regime", "collapse"])[0].lr == ts.REGIMES["collapse"]["lr"] != ts.Args.lr
+    assert ts.parse_args(["--regime", "collapse", "--lr", "5e-5"])[0].lr == 5e-5
+    assert ts.parse_args([])[0].lr == ts.Args.lr and ts.parse_args([])[0].regime == "standard"
+
+
+def test_entropy_check_every_n_steps_changes_nothing_else(workdir):
+    run_main([*MICRO, "--objective", "grpo", "--steps", "3", "--out", "runs/check_every_1", "--no-dynamic-sampling"])
+    run_main([*MICRO, "--objective", "grpo", "--steps", "3", "--out", "runs/check_every_2", "--no-dynamic-sampling",
+              "--entropy-check-every", "2"])
+    every, second = read_rows("runs/check_every_1"), read_rows("runs/check_every_2")
+    checked = [r["step"] for r in second if "entropy_change/predicted" in r]
+    assert checked == [2]
+    check_keys = ("entropy_change/",)
+    assert [{k: v for k, v in r.items() if not k.startswith(check_keys)} for r in without_timing(second)] == \
+        [{k: v for k, v in r.items() if not k.startswith(check_keys)} for r in without_timing(every)]
+    assert second[2]["entropy_change/measured"] == every[2]["entropy_change/measured"]
+
+
 def test_paired_block_with_one_seed_has_no_interval_and_skips_unreached_targets():
     args = ts.Args(compare="grpo,tepo", pass_k=4)
     base = {"gain_points": 10.0, "accuracy_auc": 0.30, "final_sampled_accuracy": 0.20, "final_pass@4": 0.50,

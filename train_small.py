@@ -94,7 +94,7 @@ import tepo  # noqa: E402
 class Args:
     # --- run ---
     objective: str = "tepo"             # the RL objective; it picks the paper values of the objective settings below
-    regime: str = "default"             # named preset of the settings below (REGIMES); flags given explicitly win
+    regime: str = "standard"            # preset of the settings below: standard, or collapse (lr 3e-4); flags win
     seed: int = 1                       # seeds python, torch, the task split and generation
     out: str | None = None              # run directory (default: runs/<task>__<objective>__<seed>__<time>)
     device: str = "auto"                # auto: cuda if available, else cpu
@@ -145,6 +145,7 @@ class Args:
     pass_k: int = 4                     # k of pass@k
     pass_k_problems: int = 200          # held-out problems used for pass@k and mean@k
     entropy_check_rows: int = 64        # completions used for the predicted-vs-measured entropy check
+    entropy_check_every: int = 1        # run the entropy check every N steps (its extra forward is ~10% of a step)
     check_sampling_logprobs: bool = True  # compare generate's log-probs with the recomputed ones
     target_accuracy: float = 0.40       # --compare: steps needed to reach this held-out accuracy
     # --- modes ---
@@ -216,8 +217,20 @@ def variant(spec: str) -> tuple[str, dict]:
     overrides = {}
     for setting in settings:
         field, _, text = setting.partition("=")
-        overrides[field] = converter(field)(text) if field in tepo.ObjectiveConfig.__dataclass_fields__ else text
+        overrides[field] = setting_value(field, text)
     return name, overrides
+
+
+BOOLEAN_WORDS = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
+
+
+def setting_value(field: str, text: str):
+    """The value of objective setting `field` written as text; argparse.ArgumentTypeError if invalid."""
+    if FIELD_KINDS[field][0] == "bool":
+        if text.lower() not in BOOLEAN_WORDS:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}; choose on or off")
+        return BOOLEAN_WORDS[text.lower()]
+    return converter(field)(text)
 
 
 def variant_problem(spec: str) -> str | None:
@@ -230,7 +243,7 @@ def variant_problem(spec: str) -> str | None:
         if field not in tepo.ObjectiveConfig.__dataclass_fields__ or not equals:
             return f"{setting!r} is not a setting=value of an objective setting"
         try:
-            converter(field)(text)
+            setting_value(field, text)
         except argparse.ArgumentTypeError as e:
             return f"{field}={text!r}: {e}"
     return None
@@ -245,7 +258,7 @@ def variant_list(v: str) -> bool:
 VALID: dict[str, tuple] = {
     # --- run ---
     "objective": one_of(sorted(tepo.OBJECTIVES)),
-    "regime": one_of(["default", "collapse"]),
+    "regime": one_of(["standard", "collapse"]),
     "seed": at_least(0),
     "out": path("a directory path (not an existing file)", lambda p: not os.path.isfile(p)),
     "device": one_of(["auto", "cpu", "cuda"]),
@@ -294,6 +307,7 @@ VALID: dict[str, tuple] = {
     "pass_k": at_least(1),
     "pass_k_problems": at_least(1),
     "entropy_check_rows": at_least(0),
+    "entropy_check_every": at_least(1),
     "target_accuracy": fraction(),
     # --- modes ---
     "resume": path("an existing run directory", os.path.isdir),
@@ -526,7 +540,7 @@ def compare_entries(args: Args) -> list[tuple[str, dict]]:
 # like every other setting. `collapse` is the learning rate at which, on the built-in task, GRPO's
 # entropy falls fast and pass@16 ends below its starting value while greedy accuracy stays flat
 # (README, "Two regimes"); 1e-3 breaks the model instead (greedy accuracy 0.04 after 100 steps).
-REGIMES = {"default": {}, "collapse": {"lr": 3e-4}}
+REGIMES = {"standard": {}, "collapse": {"lr": 3e-4}}
 
 
 def parse_args(argv=None) -> tuple[Args, dict]:
@@ -534,7 +548,7 @@ def parse_args(argv=None) -> tuple[Args, dict]:
     With --resume: the run's saved settings, with the command line's run-only fields and --steps."""
     given = vars(build_parser().parse_args(argv))            # only the flags on the command line
     args = Args(**{k: v for k, v in given.items() if k in Args.__dataclass_fields__})
-    if not args.resume and args.regime in REGIMES:
+    if not args.resume:
         args = dataclasses.replace(args, **{k: v for k, v in REGIMES[args.regime].items() if k not in given})
     obj_overrides = {k: v for k, v in given.items() if k not in Args.__dataclass_fields__}
     if args.resume:
@@ -1270,7 +1284,7 @@ class EntropyCheckPositions:
 
 
 @torch.no_grad()
-def rollout_statistics(run, batch: dict, adv: torch.Tensor, plan: list) -> dict:
+def rollout_statistics(run, batch: dict, adv: torch.Tensor, plan: list, checked: bool = True) -> dict:
     """Before any update: old and reference log-probs, entropy, Cov(log pi, A), and the logits the
     entropy check starts from.
 
@@ -1291,7 +1305,7 @@ def rollout_statistics(run, batch: dict, adv: torch.Tensor, plan: list) -> dict:
     old_logp = torch.zeros(mask.shape, dtype=dtype, device=mask.device)             # [B, T]
     entropy = torch.zeros_like(old_logp)                                            # [B, T]
     ref_logp = torch.zeros_like(old_logp) if run.ref_model is not None else None    # [B, T]
-    check = EntropyCheckPositions(batch, args)
+    check = EntropyCheckPositions(batch, args if checked else dataclasses.replace(args, entropy_check_rows=0))
     for rows in forwards:
         logits = completion_logits(run.model, batch, rows, args)                   # [b, T, V]
         tokens = batch["completion_ids"][rows.to(mask.device)]
@@ -1955,16 +1969,20 @@ def rl_step(run: Run, step: int) -> tuple[dict, dict | None]:
     for group in run.optimizer.param_groups:   # linear learning-rate warm-up
         group["lr"] = args.lr * min(1.0, step / max(1, args.lr_warmup_steps))
     plan = minibatch_plan(keep, args)                  # the rows of each optimizer step (none: all dropped)
-    stats = rollout_statistics(run, batch, adv, plan)                                           # 5. old log-probs
+    checked = bool(plan) and step % args.entropy_check_every == 0
+    stats = rollout_statistics(run, batch, adv, plan, checked)                                  # 5. old log-probs
+    t3 = time.time()
     details = KLMaskDetails(run.cfg, batch["completion_ids"].shape[1], run.device) if run.details_path else None
     losses = update_policy(run, batch, stats, adv, plan, details) if plan else {}               # 6. update
-    check = entropy_check(run, batch, stats) if plan else (0.0, 0.0, float("nan"))              # 7. measure
-    t3 = time.time()
+    t4 = time.time()
+    check = entropy_check(run, batch, stats) if checked else (0.0, 0.0, float("nan"))           # 7. measure
+    t5 = time.time()
     row = {"step": step, **rollout_metrics(batch, scored, keep, stats, args), **losses,
-           "entropy_change/predicted": check[0], "entropy_change/measured": check[1],
-           "entropy_change/position_corr": check[2],
-           "timing/generate": t1 - t0, "timing/reward": t2 - t1, "timing/update": t3 - t2, "step_time": t3 - t0,
-           "perf/tokens_per_second": batch["completion_mask"].sum().item() / (t3 - t0)}
+           **({"entropy_change/predicted": check[0], "entropy_change/measured": check[1],
+               "entropy_change/position_corr": check[2]} if checked or not plan else {}),
+           "timing/generate": t1 - t0, "timing/reward": t2 - t1, "timing/old_logprobs": t3 - t2,
+           "timing/update": t4 - t3, "timing/entropy_check": t5 - t4, "step_time": t5 - t0,
+           "perf/tokens_per_second": batch["completion_mask"].sum().item() / (t5 - t0)}
     return row, details.row(step, batch, scored["rewards"], run.tokenizer) if details else None
 
 
@@ -2219,7 +2237,8 @@ def benchmark(args: Args, obj_overrides: dict) -> None:
                               save_every=10**9, pass_k=1, pass_k_problems=1, check_sampling_logprobs=False)
     train(run, obj_overrides)
     rows = read_log(os.path.join(out, "ours", "metrics.jsonl"))[2:]   # skip step 0 and step 1
-    phases = ("timing/generate", "timing/reward", "timing/update", "step_time", "perf/tokens_per_second")
+    phases = ("timing/generate", "timing/reward", "timing/old_logprobs", "timing/update", "timing/entropy_check",
+              "step_time", "perf/tokens_per_second")
     ours = {k: sum(r[k] for r in rows) / len(rows) for k in phases}
     ours["step_time"] -= sum(r["timing/eval"] for r in rows) / len(rows)
     ours["peak_memory_mb"] = max(r["perf/peak_memory_mb"] for r in rows)
