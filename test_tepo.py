@@ -3345,3 +3345,25 @@ def test_trl_trainer_refuses_settings_it_would_ignore(setting, message, tmp_path
                         **setting)
     with pytest.raises(ValueError, match=re.escape(message)):
         tepo_trl.TepoGRPOTrainer(model="unused", reward_funcs=[], args=config, objective="grpo")
+
+
+def test_notebook_helpers_pair_runs_by_seed_and_find_the_run_directories():
+    """nbhelpers.paired_over_seeds pairs on the seeds both sides have, drops a seed whose value is None, and gives
+    --compare's t interval; run_dirs_of names the directories of a multi-seed --compare with variant entries."""
+    sys.path.insert(0, os.path.join(REPO, "notebooks"))
+    import nbhelpers
+    runs = {1: {"v": 3.0}, 2: {"v": 5.0}, 3: {"v": 4.0}, 4: {"v": None}}
+    base = {1: {"v": 1.0}, 2: {"v": 1.0}, 3: {"v": 1.0}, 4: {"v": 0.0}, 5: {"v": 9.0}}
+    d = nbhelpers.paired_over_seeds(runs, base, lambda r: r["v"])
+    assert d["seeds"] == [1, 2, 3] and d["per_seed"] == [2.0, 4.0, 3.0] and d["n"] == 3
+    # mean 3, std 1, 95% interval 3 +- t(0.975, 2) * 1 / sqrt(3) = 3 +- 4.3027 / 1.7321
+    assert d["mean"] == pytest.approx(3.0) and d["high"] == pytest.approx(3 + 4.3027 / math.sqrt(3), abs=1e-4)
+    assert nbhelpers.verdict(d) == "higher (interval above 0)"
+    assert nbhelpers.verdict(nbhelpers.paired_over_seeds({1: 1.0, 2: -1.0}, {1: 0.0, 2: 0.0}, float)) \
+        == "no difference shown (interval contains 0)"
+    cmd = ["python", "train_small.py", "--compare", "grpo,tepo:beta=0", "--seed", "3", "--seeds", "2",
+           "--out", "runs/collapse"]
+    assert [name for _, name in nbhelpers.run_dirs_of(cmd)] == [
+        "collapse/grpo__3", "collapse/tepo_beta=0__3", "collapse/grpo__4", "collapse/tepo_beta=0__4"]
+    assert nbhelpers.run_dirs_of(["python", "train_small.py", "--compare", "gspo,mpo", "--seed", "1",
+                                  "--out", "runs/compare_default"])[1][1] == "mpo__1"

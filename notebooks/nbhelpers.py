@@ -30,7 +30,7 @@ if str(REPO) not in sys.path:
 
 import matplotlib.pyplot as plt  # noqa: E402
 
-from train_small import pearson, read_log  # noqa: E402,F401
+from train_small import pearson, read_log, t_interval  # noqa: E402,F401
 
 # The logs: notebooks/logs/ (committed), or the directory named by the TEPO_NOTEBOOK_LOGS environment variable
 # (a relative path is taken from the repository root, where train_small.py writes runs/).
@@ -45,6 +45,8 @@ LABELS = {"grpo": "GRPO", "dr_grpo": "Dr. GRPO", "dapo": "DAPO", "gspo": "GSPO",
           "mpo": "MPO", "clip_cov": "Clip-Cov", "kl_cov": "KL-Cov", "tepo_beta0": "TEPO, beta = 0"}
 COLORS = dict(zip(OBJECTIVES + ["tepo_beta0"],      # tab10 without its grey, which marks "the others" in plots
                   [c for k, c in enumerate(plt.cm.tab10.colors) if k != 7]))
+# The regime comparisons name a --compare entry by its directory: `tepo:beta=0` is written tepo_beta=0.
+LABELS["tepo_beta=0"], COLORS["tepo_beta=0"] = LABELS["tepo_beta0"], COLORS["tepo_beta0"]
 
 plt.rcParams.update({"figure.dpi": 90, "axes.grid": True, "grid.alpha": 0.3, "font.size": 10,
                      "axes.titlesize": 10, "legend.fontsize": 8})
@@ -66,14 +68,17 @@ def training_commands() -> list[list[str]]:
     return [[sys.executable] + shlex.split(line)[1:] for line in lines if line.startswith("python train_small.py")]
 
 
-def run_dirs_of(cmd: list[str]) -> list[Path]:
-    """The run directories a command writes: <out>/<objective>__<seed> for each objective of --compare,
-    or <out> itself for a single run."""
+def run_dirs_of(cmd: list[str]) -> list[tuple[Path, str]]:
+    """The run directories a command writes, each with the name it gets under LOGS: a single run's --out keeps its
+    name; each run of --compare is <out>/<entry>__<seed> (an entry `tepo:beta=0` is written `tepo_beta=0`), kept as
+    <run> when the command compares one seed and as <out name>/<run> with --seeds (the regime comparisons)."""
     out = REPO / cmd[cmd.index("--out") + 1]
     if "--compare" not in cmd:
-        return [out]
-    seed = cmd[cmd.index("--seed") + 1]
-    return [out / f"{name}__{seed}" for name in cmd[cmd.index("--compare") + 1].split(",")]
+        return [(out, out.name)]
+    first = int(cmd[cmd.index("--seed") + 1]) if "--seed" in cmd else 1
+    seeds = range(first, first + (int(cmd[cmd.index("--seeds") + 1]) if "--seeds" in cmd else 1))
+    names = [f"{spec.replace(':', '_')}__{seed}" for seed in seeds for spec in cmd[cmd.index("--compare") + 1].split(",")]
+    return [(out / name, f"{out.name}/{name}" if "--seeds" in cmd else name) for name in names]
 
 
 def regenerate_logs() -> None:
@@ -82,11 +87,11 @@ def regenerate_logs() -> None:
     for cmd in training_commands():
         print("running:", " ".join(["python"] + cmd[1:]), flush=True)
         subprocess.run(cmd, cwd=REPO, check=True)
-        for src in run_dirs_of(cmd):
-            (LOGS / src.name).mkdir(parents=True, exist_ok=True)
+        for src, name in run_dirs_of(cmd):
+            (LOGS / name).mkdir(parents=True, exist_ok=True)
             for f in LOG_FILES:
                 if (src / f).is_file():
-                    shutil.copy2(src / f, LOGS / src.name / f)
+                    shutil.copy2(src / f, LOGS / name / f)
     print("logs copied to", shown_path(LOGS))
 
 
@@ -122,6 +127,22 @@ def series(run: dict, key: str, skip_skipped: bool = False) -> tuple[np.ndarray,
             xs.append(r["step"])
             ys.append(v)
     return np.array(xs), np.array(ys, dtype=float)
+
+
+def load_regime(regime: str) -> dict[str, dict[int, dict]]:
+    """The finished runs of one regime comparison, LOGS/<regime>/<entry>__<seed>: {entry: {seed: run}}."""
+    runs: dict[str, dict[int, dict]] = {}
+    for d in sorted((LOGS / regime).glob("*__*")) if (LOGS / regime).is_dir() else []:
+        entry, seed = d.name.rsplit("__", 1)
+        run = load_run(f"{regime}/{d.name}")
+        if run is not None and run["summary"] is not None:
+            runs.setdefault(entry, {})[int(seed)] = run
+    return runs
+
+
+def at_step(run: dict, key: str, step: int) -> float:
+    """The value of `key` in the row of `step` (nan when that row does not have it)."""
+    return next((r[key] for r in run["metrics"] if r.get("step") == step and key in r), float("nan"))
 
 
 def eval_size(run: dict) -> int:
@@ -169,6 +190,38 @@ def with_interval(estimate: float, se: float, scale: float = 1.0, digits: int = 
             f"95% interval {e - 1.96 * s:+.{digits}f} to {e + 1.96 * s:+.{digits}f})")
 
 
+def paired_over_seeds(runs: dict[int, dict], base: dict[int, dict], value) -> dict:
+    """Paired by seed: value(run) - value(baseline run) on every seed both have (runs that share a seed share the
+    task, the warm-up model and the prompt order), then their mean with a 95% t interval over the seeds
+    (train_small.t_interval, the one --compare uses). A value of None (e.g. a target never reached) drops that
+    seed. Returns t_interval's dict plus `per_seed` and `seeds`."""
+    seeds = [s for s in sorted(set(runs) & set(base))
+             if value(runs[s]) is not None and value(base[s]) is not None]
+    differences = [value(runs[s]) - value(base[s]) for s in seeds]
+    return {**t_interval(differences), "per_seed": differences, "seeds": seeds}
+
+
+def interval_text(stats: dict, digits: int = 1, unit: str = "") -> str:
+    """'+2.3 (95% interval -1.0 to +5.6, 6 seeds)', or the single value when there is no interval."""
+    if stats["n"] == 0:
+        return "no seeds"
+    if stats["low"] is None:
+        return f"{stats['mean']:+.{digits}f}{unit} (1 seed, no interval)"
+    return (f"{stats['mean']:+.{digits}f}{unit} (95% interval {stats['low']:+.{digits}f} to "
+            f"{stats['high']:+.{digits}f}, {stats['n']} seeds)")
+
+
+def verdict(stats: dict) -> str:
+    """What an interval supports, and nothing more."""
+    if stats["low"] is None:
+        return "no interval"
+    if stats["low"] > 0:
+        return "higher (interval above 0)"
+    if stats["high"] < 0:
+        return "lower (interval below 0)"
+    return "no difference shown (interval contains 0)"
+
+
 def correlation_interval(r: float, n: int) -> tuple[float, float]:
     """95% interval of a Pearson r measured on n independent pairs (Fisher's z = atanh r is nearly normal,
     with standard error 1/sqrt(n - 3))."""
@@ -189,6 +242,18 @@ def smoothed_band(ax, x, y, color, label, window: int) -> None:
     sd = np.sqrt(np.maximum(0.0, smooth(np.asarray(y, dtype=float) ** 2, window) - m ** 2))
     ax.fill_between(x, m - sd, m + sd, color=color, alpha=0.15, lw=0)
     ax.plot(x, m, color=color, lw=2, label=label)
+
+
+def seed_band(ax, runs: dict[int, dict], key: str, color, label: str, window: int = 1) -> None:
+    """One metric over the steps of several seeds: the mean over seeds (line) and the range from the lowest to the
+    highest seed (band), at the steps every seed logged; per-step metrics are first smoothed over `window` steps."""
+    curves = [series(run, key) for run in runs.values()]
+    steps = sorted(set.intersection(*(set(x.tolist()) for x, _ in curves))) if curves else []
+    if not steps:
+        return
+    ys = np.array([smooth(y, window)[np.searchsorted(x, steps)] for x, y in curves])     # [seeds, steps]
+    ax.fill_between(steps, ys.min(0), ys.max(0), color=color, alpha=0.15, lw=0)
+    ax.plot(steps, ys.mean(0), color=color, lw=2, label=f"{label} ({len(curves)} seeds)")
 
 
 def save_figure(fig, filename: str) -> None:
