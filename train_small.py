@@ -49,6 +49,7 @@ Usage:
   python train_small.py --objective grpo --seed 2         # any key of tepo.OBJECTIVES
   python train_small.py --objective dapo --eps-high 0.3   # any field of tepo.ObjectiveConfig
   python train_small.py --compare grpo,dapo,tepo --seeds 3  # summary.md / summary.json table
+  python train_small.py --compare grpo,tepo,tepo:beta=0 --regime collapse --seeds 5   # entries with own settings
   python train_small.py --bench                           # our step vs TRL's GRPOTrainer
   python train_small.py --resume runs/<name>              # continue an interrupted run
   python train_small.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --max-new-tokens 256

@@ -77,7 +77,8 @@ def run_dirs_of(cmd: list[str]) -> list[tuple[Path, str]]:
         return [(out, out.name)]
     first = int(cmd[cmd.index("--seed") + 1]) if "--seed" in cmd else 1
     seeds = range(first, first + (int(cmd[cmd.index("--seeds") + 1]) if "--seeds" in cmd else 1))
-    names = [f"{spec.replace(':', '_')}__{seed}" for seed in seeds for spec in cmd[cmd.index("--compare") + 1].split(",")]
+    entries = cmd[cmd.index("--compare") + 1].split(",")
+    names = [f"{spec.replace(':', '_')}__{seed}" for seed in seeds for spec in entries]
     return [(out / name, f"{out.name}/{name}" if "--seeds" in cmd else name) for name in names]
 
 
