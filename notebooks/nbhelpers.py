@@ -254,7 +254,7 @@ def seed_band(ax, runs: dict[int, dict], key: str, color, label: str, window: in
         return
     ys = np.array([smooth(y, window)[np.searchsorted(x, steps)] for x, y in curves])     # [seeds, steps]
     ax.fill_between(steps, ys.min(0), ys.max(0), color=color, alpha=0.15, lw=0)
-    ax.plot(steps, ys.mean(0), color=color, lw=2, label=f"{label} ({len(curves)} seeds)")
+    ax.plot(steps, ys.mean(0), color=color, lw=2, label=f"{label} ({len(curves)} seed{'s' * (len(curves) != 1)})")
 
 
 def save_figure(fig, filename: str) -> None:
