@@ -3368,3 +3368,16 @@ def test_notebook_helpers_pair_runs_by_seed_and_find_the_run_directories():
         "collapse/grpo__3", "collapse/tepo_beta=0__3", "collapse/grpo__4", "collapse/tepo_beta=0__4"]
     assert nbhelpers.run_dirs_of(["python", "train_small.py", "--compare", "gspo,mpo", "--seed", "1",
                                   "--out", "runs/compare_default"])[1][1] == "mpo__1"
+
+
+def test_reference_log_commands_are_valid_and_name_the_committed_runs():
+    """Every command of notebooks/logs/COMMANDS.md (what REGENERATE runs) is a valid command line, and every run
+    directory it writes is one of the committed logs: a placeholder or a stale entry list would fail here."""
+    sys.path.insert(0, os.path.join(REPO, "notebooks"))
+    import nbhelpers
+    commands = nbhelpers.training_commands()
+    assert len(commands) >= 4
+    for cmd in commands:
+        ts.parse_args(cmd[2:])                                         # exits (status 2) on a bad flag value
+        for _, name in nbhelpers.run_dirs_of(cmd):
+            assert (nbhelpers.NB_DIR / "logs" / name / "metrics.jsonl").is_file(), f"{name}: not committed"

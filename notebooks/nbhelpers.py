@@ -45,8 +45,15 @@ LABELS = {"grpo": "GRPO", "dr_grpo": "Dr. GRPO", "dapo": "DAPO", "gspo": "GSPO",
           "mpo": "MPO", "clip_cov": "Clip-Cov", "kl_cov": "KL-Cov", "tepo_beta0": "TEPO, beta = 0"}
 COLORS = dict(zip(OBJECTIVES + ["tepo_beta0"],      # tab10 without its grey, which marks "the others" in plots
                   [c for k, c in enumerate(plt.cm.tab10.colors) if k != 7]))
-# The regime comparisons name a --compare entry by its directory: `tepo:beta=0` is written tepo_beta=0.
+# The regime comparisons name a --compare entry by its directory: `tepo:beta=0` is written tepo_beta=0. A variant
+# that runs next to its objective gets the lighter shade of the objective's colour (tab20); Clip-Cov and KL-Cov
+# run there only with their scaled ratios, so those keep the objective's colour.
 LABELS["tepo_beta=0"], COLORS["tepo_beta=0"] = LABELS["tepo_beta0"], COLORS["tepo_beta0"]
+LABELS |= {"tepo_entropy_criterion=measured": "TEPO, measured", "dapo_dynamic_sampling=off": "DAPO, no dyn. sampling",
+           "clip_cov_clip_cov_ratio=0.01": "Clip-Cov, ratio 0.01", "kl_cov_kl_cov_ratio=0.1": "KL-Cov, ratio 0.1"}
+COLORS |= {"tepo_entropy_criterion=measured": plt.cm.tab20.colors[9],
+           "dapo_dynamic_sampling=off": plt.cm.tab20.colors[5],
+           "clip_cov_clip_cov_ratio=0.01": COLORS["clip_cov"], "kl_cov_kl_cov_ratio=0.1": COLORS["kl_cov"]}
 
 plt.rcParams.update({"figure.dpi": 90, "axes.grid": True, "grid.alpha": 0.3, "font.size": 10,
                      "axes.titlesize": 10, "legend.fontsize": 8})
