@@ -49,9 +49,10 @@ COLORS = dict(zip(OBJECTIVES + ["tepo_beta0"],      # tab10 without its grey, wh
 # that runs next to its objective gets the lighter shade of the objective's colour (tab20); Clip-Cov and KL-Cov
 # run there only with their scaled ratios, so those keep the objective's colour.
 LABELS["tepo_beta=0"], COLORS["tepo_beta=0"] = LABELS["tepo_beta0"], COLORS["tepo_beta0"]
-LABELS |= {"tepo_entropy_criterion=measured": "TEPO, measured", "dapo_dynamic_sampling=off": "DAPO, no dyn. sampling",
+LABELS |= {"grpo_beta=0": "GRPO, beta = 0",
+           "tepo_entropy_criterion=measured": "TEPO, measured", "dapo_dynamic_sampling=off": "DAPO, no dyn. sampling",
            "clip_cov_clip_cov_ratio=0.01": "Clip-Cov, ratio 0.01", "kl_cov_kl_cov_ratio=0.1": "KL-Cov, ratio 0.1"}
-COLORS |= {"tepo_entropy_criterion=measured": plt.cm.tab20.colors[9],
+COLORS |= {"grpo_beta=0": plt.cm.tab20.colors[1], "tepo_entropy_criterion=measured": plt.cm.tab20.colors[9],
            "dapo_dynamic_sampling=off": plt.cm.tab20.colors[5],
            "clip_cov_clip_cov_ratio=0.01": COLORS["clip_cov"], "kl_cov_kl_cov_ratio=0.1": COLORS["kl_cov"]}
 
