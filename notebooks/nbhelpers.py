@@ -6,8 +6,8 @@
 - small statistics: smooth(), standard errors and 95% intervals, so that verdicts stay within the data;
 - plotting: the shared style, LABELS and COLORS per objective, smoothed_band(), save_figure() for the README.
 
-Log reading and correlations are train_small.py's own read_log() and pearson() (importing train_small does
-not start a run; it imports torch and tepo).
+Log reading and the statistics are the project's own: tepokit.rundir.read_log() and tepokit.stats's pearson()
+and t_interval(), the ones train_small.py and --compare use.
 """
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ if str(REPO) not in sys.path:
 
 import matplotlib.pyplot as plt  # noqa: E402
 
-from train_small import pearson, read_log, t_interval  # noqa: E402,F401
+from tepokit.rundir import read_log  # noqa: E402,F401
+from tepokit.stats import pearson, t_interval  # noqa: E402,F401
 
 # The logs: notebooks/logs/ (committed), or the directory named by the TEPO_NOTEBOOK_LOGS environment variable
 # (a relative path is taken from the repository root, where train_small.py writes runs/).
@@ -202,7 +203,7 @@ def with_interval(estimate: float, se: float, scale: float = 1.0, digits: int = 
 def paired_over_seeds(runs: dict[int, dict], base: dict[int, dict], value) -> dict:
     """Paired by seed: value(run) - value(baseline run) on every seed both have (runs that share a seed share the
     task, the warm-up model and the prompt order), then their mean with a 95% t interval over the seeds
-    (train_small.t_interval, the one --compare uses). A value of None (e.g. a target never reached) drops that
+    (tepokit.stats.t_interval, the one --compare uses). A value of None (e.g. a target never reached) drops that
     seed. Returns t_interval's dict plus `per_seed` and `seeds`."""
     seeds = [s for s in sorted(set(runs) & set(base))
              if value(runs[s]) is not None and value(base[s]) is not None]

@@ -1,4 +1,4 @@
-"""tepo_trl.py: any tepo objective inside TRL's GRPOTrainer, so the function you read in tepo.py is
+"""tepokit/tepo_trl.py: any tepo objective inside TRL's GRPOTrainer, so the function you read in tepo.py is
 the one that trains at scale (several GPUs through accelerate / DeepSpeed, vLLM generation, PEFT).
 
 Written for TRL 1.16 (trl>=1.16,<1.17): it overrides two private methods of GRPOTrainer,
@@ -13,7 +13,12 @@ tepo.aggregate_loss), plus the one input TRL does not compute: the rollout entro
 `entropy_criterion="measured"` (tepo.needs_entropy).
 
     import tepo
-    from tepo_trl import TepoGRPOTrainer, grpo_config
+from tepokit.cli import objective_config
+from tepokit.errors import fail
+from tepokit.model import prepare_start_model
+from tepokit.rundir import run_name, seed_everything
+from tepokit.task import format_prompt, gold_answer, load_task, score_completions
+    from tepokit.tepo_trl import TepoGRPOTrainer, grpo_config
     cfg = tepo.config_for("tepo")                      # paper defaults; any field can be overridden
     args = grpo_config("tepo", cfg, output_dir="out", num_generations=8, max_completion_length=256)
     trainer = TepoGRPOTrainer(model="Qwen/Qwen2.5-0.5B-Instruct", reward_funcs=my_reward, args=args,
@@ -21,7 +26,8 @@ tepo.aggregate_loss), plus the one input TRL does not compute: the rollout entro
     trainer.train()
 
 `python train_small.py --engine trl` runs the built-in task (or --model / --dataset) through it
-(`train` below); `accelerate launch train_small.py --engine trl ...` is the scale-out command.
+(`train` below); `accelerate launch train_small.py --engine trl ...` is the scale-out command
+(docs/scaling-out.md).
 """
 
 from __future__ import annotations
@@ -35,6 +41,11 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 import tepo
+from tepokit.cli import objective_config
+from tepokit.errors import fail
+from tepokit.model import prepare_start_model
+from tepokit.rundir import run_name, seed_everything
+from tepokit.task import format_prompt, gold_answer, load_task, score_completions
 
 TRL_TESTED = "1.16"
 
@@ -178,11 +189,9 @@ def trl_settings(args, num_processes: int) -> dict:
 def task_rewards(args, cfg: tepo.ObjectiveConfig) -> list:
     """TRL reward functions for train_small's task: 1 if right (--reward parsing), plus DAPO's soft
     length cost when the objective asks for it. Accuracy is logged with train_small's names."""
-    import train_small as ts
-
     def correct_answer(prompts, completions, gold, log_metric, **_):
         golds = [Decimal(g) if g else None for g in gold]
-        strict, lenient = ts.score_completions(completions, golds)
+        strict, lenient = score_completions(completions, golds)
         log_metric("accuracy/strict", strict.mean().item())
         log_metric("accuracy/lenient", lenient.mean().item())
         return (strict if args.reward == "strict" else lenient).tolist()
@@ -194,33 +203,33 @@ def task_rewards(args, cfg: tepo.ObjectiveConfig) -> list:
     return [correct_answer, overlong_penalty] if cfg.overlong_penalty else [correct_answer]
 
 
-def train(args, obj_overrides: dict) -> dict:
+def train(args, obj_overrides: dict, evaluate) -> dict:
     """One run of train_small's task with TepoGRPOTrainer. Writes <run dir>/config.json, metrics.jsonl
     (one row per RL step: TRL's logs plus tepo's metrics), the final policy and summary.json with
-    held-out accuracy before and after (greedy, strict; main process only)."""
+    held-out accuracy before and after (greedy, strict; main process only), measured with `evaluate`,
+    train_small.py's evaluation (passed in: the package does not import the script)."""
     import datasets
     from accelerate import PartialState
 
-    import train_small as ts
     state = PartialState()
     if args.resume:
-        ts.fail("argument --resume: not supported with --engine trl; TRL's checkpoints are in the run directory "
+        fail("argument --resume: not supported with --engine trl; TRL's checkpoints are in the run directory "
                 "(checkpoint-*), resume them with TRL")
     try:
         settings = trl_settings(args, state.num_processes)
     except ValueError as e:
-        ts.fail(str(e))
+        fail(str(e))
     torch.set_num_threads(args.threads)
-    cfg = ts.objective_config(args, obj_overrides)
-    run_dir = args.out or os.path.join("runs", ts.run_name(args) + "__trl")
+    cfg = objective_config(args, obj_overrides)
+    run_dir = args.out or os.path.join("runs", run_name(args) + "__trl")
     device = state.device
-    ts.seed_everything(args.seed)
-    task = ts.load_task(args)
+    seed_everything(args.seed)
+    task = load_task(args)
     with state.main_process_first():          # the built-in warm-up is made (and cached) once
-        start_model = ts.prepare_start_model(args, task, device)
+        start_model = prepare_start_model(args, task, device)
     questions, answers = list(task["train"]["question"]), list(task["train"]["answer"])
-    golds = [ts.gold_answer(a) for a in answers]
-    prompts = datasets.Dataset.from_dict({"prompt": [ts.format_prompt(q) for q in questions],
+    golds = [gold_answer(a) for a in answers]
+    prompts = datasets.Dataset.from_dict({"prompt": [format_prompt(q) for q in questions],
                                           "gold": ["" if g is None else str(g) for g in golds]})
     config = grpo_config(args.objective, cfg, output_dir=run_dir, use_cpu=device.type == "cpu", **settings)
     trainer = TepoGRPOTrainer(model=start_model, reward_funcs=task_rewards(args, cfg), args=config,
@@ -234,7 +243,7 @@ def train(args, obj_overrides: dict) -> dict:
                    "engine": "trl", "not_carried_over": skipped, "grpo_config": config.to_dict()},
                   open(os.path.join(run_dir, "config.json"), "w"), indent=2, default=str)
     test = task["test"].select(range(min(args.n_test, len(task["test"]))))
-    before = ts.evaluate(trainer.model, trainer.processing_class, test, args, device) if state.is_main_process else {}
+    before = evaluate(trainer.model, trainer.processing_class, test, args, device) if state.is_main_process else {}
     trainer.train()
     trainer.save_model(os.path.join(run_dir, "policy"))
     if not state.is_main_process:
@@ -242,7 +251,7 @@ def train(args, obj_overrides: dict) -> dict:
     optimizer_steps = args.mini_batches * args.epochs
     rows = [{"step": h["step"] // optimizer_steps, **{k: v for k, v in h.items() if k != "step"}}
             for h in trainer.state.log_history if "reward" in h]
-    after = ts.evaluate(trainer.model, trainer.processing_class, test, args, device)
+    after = evaluate(trainer.model, trainer.processing_class, test, args, device)
     rows = [{"step": 0, **before}] + rows
     rows[-1].update(after)
     with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:

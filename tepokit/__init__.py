@@ -1,0 +1,21 @@
+"""tepokit: what a reader of train_small.py can skip, one concern per module.
+
+  cli            the command line: flags, valid values, --help, --regime, the rules of --resume
+  errors         one-line answers to user mistakes
+  hub            the Hugging Face hub: offline in seconds when it cannot be reached
+  task           the built-in arithmetic task, dataset loading, answer parsing (the reward)
+  model          the built-in tokenizer and model, its cached warm-up, loading a real model
+  forward        micro-batch sizes, completion logits, memory-bounded log-probs and entropy
+  entropy_check  predicted against measured entropy change after each RL step
+  kl_mask_log    details.jsonl: where TEPO's KL mask falls
+  memory         the memory plan (--dry-run) and peak memory
+  rundir         the run directory: config, logs, checkpoints, resume, Ctrl-C, summary.json
+  stats          pass@k, Pearson's r, t intervals
+  compare        --compare: objectives x seeds, paired by seed
+  bench          --bench: our RL step against TRL's GRPOTrainer
+  tepo_trl       TepoGRPOTrainer: any tepo objective inside TRL's GRPOTrainer (--engine trl)
+
+Imports form a tree: tepo.py imports only torch; these modules import tepo and each other; train_small.py
+imports both, and nothing imports train_small.py. transformers, datasets and TRL are imported inside the
+functions that use them, so that --help, --dry-run and a refused flag answer without loading them.
+"""

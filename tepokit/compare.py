@@ -1,0 +1,134 @@
+"""--compare: several objectives x seeds on the same task, and the table of summary.md / summary.json
+(means over seeds, and each objective minus the baseline paired by seed, with a 95% interval)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+from tepokit.cli import compare_entries
+from tepokit.rundir import read_log, write_summary
+from tepokit.stats import t_interval
+
+def compare_objectives(args, obj_overrides: dict, train) -> None:
+    """Several objectives x seeds on the same task, sequentially in-process. Writes <out>/summary.md
+    and summary.json: per objective the mean and std over seeds, and, paired by seed, each objective
+    minus --baseline with a 95% interval (paired_differences). `train` is train_small.py's run (passed
+    in: the package does not import the script)."""
+    out = args.out or os.path.join("runs", f"compare__{time.strftime('%Y%m%d-%H%M%S')}")
+    os.makedirs(out, exist_ok=True)
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    results = {}
+    for seed in seeds:      # seed-major: early results cover every objective
+        for name, (objective, overrides) in zip(args.compare.split(","), compare_entries(args)):
+            run_dir = os.path.join(out, f"{name.replace(':', '_')}__{seed}")     # tepo:beta=0 -> tepo_beta=0__1
+            run = dataclasses.replace(args, objective=objective, seed=seed, compare=None, out=run_dir)
+            # Rerunning the same --compare command (same --out) goes on where it stopped: finished runs
+            # are read back, an interrupted one resumes from its checkpoint. So a long comparison can
+            # be split across processes (one --compare per subset) and then assembled by a last call.
+            if os.path.exists(os.path.join(run_dir, "summary.json")):   # summarised again from its log
+                wall = json.load(open(os.path.join(run_dir, "summary.json")))["wall_seconds"]
+                summary = write_summary(run_dir, read_log(os.path.join(run_dir, "metrics.jsonl")), run, wall)
+            elif os.path.exists(os.path.join(run_dir, "checkpoint.pt")):
+                summary = train(dataclasses.replace(run, resume=run_dir), {**obj_overrides, **overrides})
+            else:
+                summary = train(run, {**obj_overrides, **overrides})
+            results.setdefault(name, []).append(summary)
+    table, paired = objective_means(results, args), paired_differences(results, args)
+    json.dump({"seeds": seeds, "baseline": args.baseline, "target_accuracy": args.target_accuracy,
+               "objectives": table, "paired": paired}, open(os.path.join(out, "summary.json"), "w"), indent=2)
+    lines = [*objective_table(table, args), "", *paired_table(paired, args, seeds)]
+    open(os.path.join(out, "summary.md"), "w").write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def objective_means(results: dict, args) -> dict:
+    """Per objective: mean and std over seeds of the main results, and every run's summary."""
+    table = {}
+    for name, runs in results.items():
+        columns = {key: [r[key] for r in runs] for key in ("final_accuracy", "gain_points", "accuracy_auc",
+                                                            f"final_pass@{args.pass_k}")}
+        columns["sampled_gain_points"] = [100 * (r["final_sampled_accuracy"] - r["start_sampled_accuracy"])
+                                          for r in runs]
+        table[name] = {}
+        for key, values in columns.items():
+            stats = t_interval(values)
+            table[name] |= {key + "_mean": stats["mean"], key + "_std": stats["std"] or 0.0}   # std 0: 1 seed
+        table[name] |= {"steps_to_target": [r["steps_to_target"] for r in runs],
+                        "final_entropy_mean": sum(r["final_entropy"] for r in runs) / len(runs),
+                        "entropy_change_correlation_mean":
+                            sum(r["entropy_change_correlation"] for r in runs) / len(runs),
+                        "wall_seconds_mean": sum(r["wall_seconds"] for r in runs) / len(runs), "runs": runs}
+    return table
+
+
+def objective_table(table: dict, args) -> list[str]:
+    """The markdown lines of the per-objective table of summary.md."""
+    k = args.pass_k
+    lines = [f"| objective | final held-out acc (mean ± std, {args.seeds} seeds) | gain (points) | "
+             f"acc. averaged over the run | final pass@{k} | steps to {args.target_accuracy:.2f} | "
+             f"sampled-accuracy gain (points) | final entropy | r(pred, meas) | wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, t in table.items():
+        lines.append(f"| {name} | {t['final_accuracy_mean']:.3f} ± {t['final_accuracy_std']:.3f} | "
+                     f"{t['gain_points_mean']:+.1f} ± {t['gain_points_std']:.1f} | "
+                     f"{t['accuracy_auc_mean']:.3f} ± {t['accuracy_auc_std']:.3f} | "
+                     f"{t[f'final_pass@{k}_mean']:.3f} ± {t[f'final_pass@{k}_std']:.3f} | {t['steps_to_target']} | "
+                     f"{t['sampled_gain_points_mean']:+.1f} ± {t['sampled_gain_points_std']:.1f} | "
+                     f"{t['final_entropy_mean']:.3f} | {t['entropy_change_correlation_mean']:.2f} | "
+                     f"{t['wall_seconds_mean']:.0f} |")
+    return lines
+
+
+def paired_metrics(pass_k: int) -> list[tuple]:
+    """What --compare pairs by seed: (key of a run's summary.json, label, factor to the unit shown, format).
+    Accuracies and their gains in points (x 100)."""
+    return [("gain_points", "final held-out accuracy gain (points)", 1, "+.1f"),
+            ("accuracy_auc", "held-out accuracy averaged over the run (points)", 100, "+.1f"),
+            ("final_sampled_accuracy", "final sampled accuracy = pass@1 (points)", 100, "+.1f"),
+            (f"final_pass@{pass_k}", f"final pass@{pass_k} (points)", 100, "+.1f"),
+            ("steps_to_target", "steps to target accuracy", 1, "+.0f"),
+            ("final_entropy", "final entropy (nats)", 1, "+.3f")]
+
+
+def paired_differences(results: dict, args) -> dict:
+    """For each objective other than --baseline: per seed, objective minus baseline on the same seed
+    (same task, warm-up model, prompt order and start evaluation, so what the seeds share cancels),
+    then the mean with a 95% interval over seeds (t_interval). Steps to target: only seeds where
+    both runs reached the target count. Empty when the baseline was not compared."""
+    if args.baseline not in results:
+        return {}
+    base = results[args.baseline]
+    paired = {}
+    for name, runs in results.items():
+        if name == args.baseline:
+            continue
+        paired[name] = {}
+        for key, label, factor, _ in paired_metrics(args.pass_k):
+            per_seed = [None if r[key] is None or b[key] is None else factor * (r[key] - b[key])
+                        for r, b in zip(runs, base)]
+            paired[name][key] = {"label": label, "per_seed": per_seed,
+                                 **t_interval([d for d in per_seed if d is not None])}
+    return paired
+
+
+def paired_table(paired: dict, args, seeds: list[int]) -> list[str]:
+    """The markdown lines of the paired block of summary.md."""
+    if not paired:
+        return [f"No paired differences: the baseline {args.baseline!r} (--baseline) is not among the compared "
+                f"objectives."]
+    lines = [f"Paired by seed against {args.baseline} (objective minus {args.baseline} on the same seed), "
+             f"mean and 95% interval (t over seeds: mean ± t(0.975, n-1) · std / sqrt(n)):", "",
+             f"| objective − {args.baseline} | metric | per seed ({', '.join(map(str, seeds))}) | mean | "
+             f"95% interval | seeds |", "|---|---|---|---|---|---|"]
+    for name, metrics in paired.items():
+        for key, label, _, fmt in paired_metrics(args.pass_k):
+            m = metrics[key]
+            per_seed = ", ".join("not reached" if d is None else format(d, fmt) for d in m["per_seed"])
+            mean = "-" if m["mean"] is None else format(m["mean"], fmt)
+            interval = (f"{m['low']:{fmt}} to {m['high']:{fmt}}" if m["low"] is not None
+                        else f"none ({m['n']} seed{'s' * (m['n'] != 1)})")
+            lines.append(f"| {name} | {label} | {per_seed} | {mean} | {interval} | {m['n']} |")
+    return lines

@@ -1,0 +1,67 @@
+"""The entropy-change check run after each RL step: the change of the token entropy predicted by
+tepo.entropy_change_prediction (-Cov(log p, z_after - z_before)) against the change measured, at the
+same completion positions."""
+
+from __future__ import annotations
+
+import torch
+
+import tepo
+from tepokit.forward import completion_logits, positions_per_chunk, rows_per_forward
+from tepokit.stats import pearson
+
+ENTROPY_CHECK_MAX_POSITIONS = 2048   # the default built-in run checks ~1,000 (64 rows x ~16 tokens)
+
+
+class EntropyCheckPositions:
+    """The logits before the update at the positions the entropy check uses (entropy_check).
+
+    Positions: the valid completion tokens of the first --entropy-check-rows rows of the rollout,
+    at most ENTROPY_CHECK_MAX_POSITIONS of them, kept in the model's dtype ([n, V]): with a
+    151,936-token vocabulary each position costs 0.6 MB in float32, so the number must be bounded.
+    """
+
+    def __init__(self, batch: dict, args):
+        rows = min(args.entropy_check_rows, batch["completion_ids"].shape[0])
+        valid = batch["completion_mask"][:rows].bool()                              # [c, T]
+        valid &= valid.flatten().cumsum(0).view_as(valid) <= ENTROPY_CHECK_MAX_POSITIONS
+        self.rows, self.valid = rows, valid
+        self.slot = torch.full(valid.shape, -1, dtype=torch.long, device=valid.device)  # [c, T]
+        self.slot[valid] = torch.arange(int(valid.sum()), device=valid.device)
+        self.before = None                                                          # [n, V]
+
+    def capture(self, rows: torch.Tensor, logits: torch.Tensor) -> None:
+        """Keep the rollout-policy logits of this forward's checked positions."""
+        if self.before is None and (rows < self.rows).any():
+            self.before = logits.new_empty(int(self.valid.sum()), logits.shape[-1])
+        self.copy_into(self.before, rows, logits)
+
+    def copy_into(self, out: torch.Tensor, rows: torch.Tensor, logits: torch.Tensor) -> None:
+        """out[slot] = the logits of this forward ([b, T, V], rows [b]) at its checked positions."""
+        rows = rows.to(self.valid.device)
+        here = rows < self.rows
+        if here.any():
+            valid = self.valid[rows[here]]                                          # [h, T]
+            out[self.slot[rows[here]][valid]] = logits.detach()[here][valid]
+
+
+@torch.no_grad()
+def entropy_check(run, batch: dict, stats: dict) -> tuple[float, float, float]:
+    """Predicted vs measured entropy change of this step's updates, at the same completion positions
+    (tepo.entropy_change_prediction: -Cov_p(log p, z_after - z_before) against H_after - H_before).
+    Returns (predicted mean, measured mean, correlation across the positions).
+
+    The prediction is first order (a Taylor expansion in the logit change dz): near exact where an
+    update moves the logits a little, wrong where it moves them by O(1), and a few such positions
+    carry much of the measured change. So the correlation across positions within a step is high,
+    and the correlation of the per-step means lower; docs/results.md has both, measured.
+    """
+    check = stats["check"]
+    if check.before is None:
+        return float("nan"), float("nan"), float("nan")
+    after = torch.empty_like(check.before)                                          # [n, V]
+    for rows in torch.arange(check.rows).split(rows_per_forward(run.args)):
+        check.copy_into(after, rows, completion_logits(run.model, batch, rows, run.args))
+    predicted, measured = tepo.entropy_change_prediction(check.before, after, run.args.temperature,
+                                                         positions_per_chunk(after.shape[-1]))
+    return predicted.mean().item(), measured.mean().item(), pearson(predicted.tolist(), measured.tolist())

@@ -1,0 +1,121 @@
+"""The policy's forward pass as the RL step uses it: rows per forward (micro-batches), the logits at the
+completion positions, memory-bounded log-probs and entropy, and the bf16 noise floor."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+import tepo
+
+def rows_per_forward(args) -> int:
+    """Rows in one forward pass: --micro-batch-size, or a whole (nominal) mini-batch when it is 0."""
+    return args.micro_batch_size or math.ceil(args.prompts_per_step / args.mini_batches) * args.group_size
+
+
+def rows_per_minibatch(args) -> int:
+    """Rows of one (nominal) mini-batch: mini-batches hold whole groups."""
+    return rows_per_forward(dataclasses.replace(args, micro_batch_size=0))
+
+
+def autocast(device, precision: str):
+    """--precision bf16: the forward passes run under bf16 autocast (CUDA and CPU alike); fp32: none.
+    Weights, gradients and Adam's state stay fp32 either way."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
+def completion_logits(model, batch: dict, rows, args) -> torch.Tensor:
+    """Logits at the completion positions only (prompt logits are never materialised).   [b, T, V]
+
+    Left padding + absolute positions: position_ids = cumsum(attention_mask) - 1, exactly as
+    generate did, otherwise every log-prob is off (by up to 14 nats on GPT-2).
+    """
+    rows = rows.to(batch["prompt_ids"].device)
+    ids = torch.cat([batch["prompt_ids"][rows], batch["completion_ids"][rows]], 1)       # [b, P+T]
+    attn = torch.cat([batch["prompt_mask"][rows], batch["completion_mask"][rows]], 1)    # [b, P+T]
+    position_ids = (attn.cumsum(1) - 1).clamp(min=0)
+    T = batch["completion_ids"].shape[1]
+    with autocast(ids.device, args.precision):
+        # logits_to_keep=T+1: the last T+1 positions; position P-1+t predicts completion token t.
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids,
+                       logits_to_keep=T + 1, use_cache=False).logits
+    return logits[:, :-1]
+
+
+LOGITS_CHUNK_BYTES = 2**24   # log-probs and entropy go through the logits 16 MiB of float32 at a time
+
+
+def positions_per_chunk(vocab_size: int) -> int:
+    """Positions per chunk so that one chunk of float32 logits is at most LOGITS_CHUNK_BYTES."""
+    return max(1, LOGITS_CHUNK_BYTES // (4 * vocab_size))
+
+
+class ChunkedTokenLogprobs(torch.autograd.Function):
+    """tepo.token_logprobs_from_logits, same values and gradient, in chunks of positions.
+
+    Autograd's version keeps a float32 copy of the [b, T, V] logits and logsumexp's temporaries
+    alive until the backward (with a 151,936-token vocabulary that is several copies of the
+    largest tensor of the step). This one keeps only the logits (the model's output, alive anyway)
+    and logsumexp per position [b, T], and recomputes softmax chunk by chunk in the backward:
+        d log p(y) / d z_v = (1[v = y] - softmax(z / T)_v) / T
+    """
+
+    @staticmethod
+    def forward(ctx, logits, tokens, temperature: float):
+        V = logits.shape[-1]
+        flat, flat_tokens = logits.reshape(-1, V), tokens.reshape(-1, 1)
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        out = torch.empty(flat.shape[0], dtype=dtype, device=logits.device)
+        lse = torch.empty_like(out)
+        chunk = positions_per_chunk(V)
+        for s in range(0, flat.shape[0], chunk):
+            z = flat[s:s + chunk].to(dtype) / temperature
+            lse[s:s + chunk] = torch.logsumexp(z, -1)
+            out[s:s + chunk] = z.gather(-1, flat_tokens[s:s + chunk]).squeeze(-1) - lse[s:s + chunk]
+        ctx.save_for_backward(logits, tokens, lse)
+        ctx.temperature = temperature
+        return out.view(tokens.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, tokens, lse = ctx.saved_tensors
+        V, T = logits.shape[-1], ctx.temperature
+        flat, flat_tokens, g = logits.reshape(-1, V), tokens.reshape(-1, 1), grad_out.reshape(-1, 1)
+        grad = torch.empty_like(flat)
+        chunk = positions_per_chunk(V)
+        for s in range(0, flat.shape[0], chunk):
+            z = flat[s:s + chunk].to(lse.dtype) / T
+            d = -torch.exp(z - lse[s:s + chunk, None]) * g[s:s + chunk]                # -softmax * g
+            d.scatter_add_(-1, flat_tokens[s:s + chunk], g[s:s + chunk])               # + onehot * g
+            grad[s:s + chunk] = d / T
+        return grad.view_as(logits), None, None
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T) at the sampled tokens, memory-bounded.          [b, T, V], [b, T] -> [b, T]"""
+    return ChunkedTokenLogprobs.apply(logits, tokens, temperature)
+
+
+def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Full-vocabulary entropy per position, one 64 MiB chunk at a time.                 [b, T, V] -> [b, T]"""
+    return tepo.entropy_from_logits(logits.detach(), temperature, positions_per_chunk(logits.shape[-1]))
+
+
+@torch.no_grad()
+def precision_noise_floor(run, batch: dict, rows: torch.Tensor, logp: torch.Tensor) -> dict:
+    """How far the run's precision puts the log-probs from float32's, on one micro-batch: max and mean
+    |log pi(bf16 autocast) - log pi(fp32)| over its valid tokens (0 in fp32, not computed).
+
+    Any ratio band or masked penalty that acts on smaller log-ratios than this acts on rounding
+    noise: GSPO's and TEPO's band is (1 - 3e-4, 1 + 4e-4), i.e. |log s| < 4e-4.
+    """
+    if run.args.precision == "fp32":
+        return {"precision/logp_error_max": 0.0, "precision/logp_error_mean": 0.0}
+    fp32_args = dataclasses.replace(run.args, precision="fp32")
+    exact = token_logprobs(completion_logits(run.model, batch, rows, fp32_args),
+                           batch["completion_ids"][rows.to(logp.device)], run.args.temperature)
+    valid = batch["completion_mask"][rows.to(logp.device)].bool()
+    error = (logp[rows] - exact).abs()[valid]
+    return {"precision/logp_error_max": error.max().item(), "precision/logp_error_mean": error.mean().item()}

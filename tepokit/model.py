@@ -1,0 +1,184 @@
+"""The models: the built-in character tokenizer and tiny GPT-2 / Qwen2, its supervised warm-up (cached
+as an ordinary Hugging Face model directory), and loading any causal LM for RL (end tokens, plain
+sampling, dropout off)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import torch
+from tqdm.auto import tqdm
+
+from tepokit.hub import cannot_load, use_offline_hub_if_unreachable
+from tepokit.rundir import save_pretrained_atomically
+from tepokit.task import format_prompt
+
+END = "<|endoftext|>"   # end of sequence AND padding, as in GPT-2: the end token must still be trained
+
+
+def build_char_tokenizer(texts):
+    """A character-level tokenizer made locally with `tokenizers`, wrapped for transformers."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    chars = sorted(set("".join(texts)) | set("0123456789+-*/=#.,:?! \n"))
+    vocab = {END: 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one token per character
+    tok.decoder = decoders.Fuse()                                                      # join without spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=END, pad_token=END, unk_token="<unk>",
+                                   padding_side="left", clean_up_tokenization_spaces=False)
+
+
+def tiny_model_config(args, tokenizer):
+    """The built-in model's transformers config: GPT-2 or Qwen2 of the --n-layer/--n-embd/--n-head size."""
+    from transformers import GPT2Config, Qwen2Config
+    eos = tokenizer.eos_token_id
+    common = dict(vocab_size=len(tokenizer), bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    if args.arch == "gpt2":
+        return GPT2Config(n_positions=args.max_prompt_tokens + args.max_new_tokens + 8, n_embd=args.n_embd,
+                          n_layer=args.n_layer, n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
+                          attn_pdrop=0.0, **common)
+    return Qwen2Config(hidden_size=args.n_embd, intermediate_size=4 * args.n_embd,
+                       num_hidden_layers=args.n_layer, num_attention_heads=args.n_head,
+                       num_key_value_heads=args.n_head, tie_word_embeddings=True,
+                       max_position_embeddings=args.max_prompt_tokens + args.max_new_tokens + 8, **common)
+
+
+def build_tiny_model(args, tokenizer):
+    """A small causal LM from a transformers config, dropout off (ratios must be 1 on-policy)."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_config(tiny_model_config(args, tokenizer))
+
+
+def builtin_tokenizer(task):
+    """The built-in task's character tokenizer (the characters of its texts)."""
+    return build_char_tokenizer(list(task["train"]["question"]) + list(task["train"]["answer"])
+                                + list(task["test"]["question"]))
+
+
+def warmup_cache_dir(args) -> str:
+    """<--cache-dir>/warmup-<hash of everything that determines the warmed-up weights>."""
+    keys = ("arch", "n_layer", "n_embd", "n_head", "difficulty", "ops", "sft_noise", "n_train", "n_test",
+            "warmup_steps", "warmup_lr", "warmup_batch", "max_prompt_tokens", "max_new_tokens", "seed")
+    blob = json.dumps({k: getattr(args, k) for k in keys if k != "ops" or args.ops != "+-*"} | {"version": 1},
+                      sort_keys=True)
+    return os.path.join(args.cache_dir, "warmup-" + hashlib.sha1(blob.encode()).hexdigest()[:12])
+
+
+def sft_batch(tokenizer, questions, answers, device):
+    """Prompt + answer + end token, right-padded; labels only on answer and end tokens."""
+    rows = []
+    for q, a in zip(questions, answers):
+        p = tokenizer(format_prompt(q)).input_ids
+        c = tokenizer(a, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        rows.append((p + c, [-100] * len(p) + c))
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    labels = torch.full((len(rows), width), -100)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (x, y) in enumerate(rows):
+        ids[i, :len(x)], labels[i, :len(y)], attn[i, :len(x)] = torch.tensor(x), torch.tensor(y), 1
+    return ids.to(device), attn.to(device), labels.to(device)
+
+
+def supervised_warmup(model, tokenizer, train_split, args, device):
+    """A short supervised phase so the policy starts with partial accuracy (RL needs some reward)."""
+    gen = torch.Generator().manual_seed(args.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.warmup_lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.9 * s / max(1, args.warmup_steps))
+    model.train()
+    bar = tqdm(range(args.warmup_steps), desc="warm-up", dynamic_ncols=True)
+    for _ in bar:
+        idx = torch.randint(len(train_split), (args.warmup_batch,), generator=gen).tolist()
+        rows = train_split.select(idx)
+        demos = rows["demonstration"] if "demonstration" in rows.column_names else rows["answer"]
+        ids, attn, labels = sft_batch(tokenizer, list(rows["question"]), list(demos), device)
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    model.eval()
+
+
+def prepare_start_model(args, task, device) -> str:
+    """The directory or id RL starts from: --model, or the warmed-up built-in model (cached)."""
+    if args.model is not None:
+        return args.model
+    cache = warmup_cache_dir(args)
+    if os.path.exists(os.path.join(cache, "config.json")):
+        print(f"warm-up model: {cache} (cached)")
+        return cache
+    print(f"warm-up model: {args.warmup_steps} supervised steps, then cached in {cache}")
+    tokenizer = builtin_tokenizer(task)
+    torch.manual_seed(args.seed)
+    model = build_tiny_model(args, tokenizer).to(device)
+    if args.warmup_steps > 0:
+        supervised_warmup(model, tokenizer, task["train"], args, device)
+    save_pretrained_atomically(model.cpu(), tokenizer, cache)
+    return cache
+
+
+def load_policy(path: str, args, device):
+    """Model and tokenizer from an id or directory; one-line error if it cannot be had."""
+    offline_reason = None if os.path.exists(path) else use_offline_hub_if_unreachable()
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+        # fp32 weights (Adam's master copy); with --precision bf16 the forward passes run under autocast
+        model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=args.trust_remote_code,
+                                                     dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001 -- any loading failure is a user-facing one-liner
+        cannot_load("model", path, e, offline_reason,
+                    "give a local model directory, or run without --model for the built-in tiny model")
+    tokenizer.padding_side, tokenizer.truncation_side = "left", "left"   # generation needs left padding
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    # Stop on every end token the model knows: Qwen2.5-Instruct's own generation config stops on
+    # <|im_end|> and <|endoftext|>, its tokenizer names only one of them.
+    own_eos = model.generation_config.eos_token_id
+    eos_ids = sorted({i for i in as_list(own_eos) + as_list(model.config.eos_token_id) + [tokenizer.eos_token_id]
+                      if i is not None})
+    # Sampling must be plain softmax(z / T): a model's own generation defaults (top_k, top_p,
+    # repetition penalty) would change the distribution and the log-probs would no longer describe it.
+    model.generation_config = GenerationConfig(pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)
+    switch_off_dropout(model)
+    model.to(device).eval()
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model, tokenizer
+
+
+def as_list(ids) -> list:
+    return list(ids) if isinstance(ids, (list, tuple)) else [ids]
+
+
+def switch_off_dropout(model) -> None:
+    """Dropout off everywhere: on-policy ratios must be exactly 1, also in train() mode (which gradient
+    checkpointing needs). nn.Dropout modules, and every float `*dropout*` / `*pdrop*` setting of the
+    config and of the modules: Qwen2's attention reads `self.attention_dropout`, a float copied from
+    the config, in train() mode."""
+    for key, value in model.config.to_dict().items():
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(model.config, key, 0.0)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for key, value in list(vars(module).items()):
+            if "dropout" in key and isinstance(value, float):
+                setattr(module, key, 0.0)
+
+
+def eos_ids_of(model) -> list[int]:
+    """Every end token of the model (load_policy puts them all in its generation config)."""
+    return as_list(model.generation_config.eos_token_id)
+
+
+def pick_device(args) -> torch.device:
+    return torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                        else "cpu")

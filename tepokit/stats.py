@@ -1,0 +1,86 @@
+"""The statistics the runs report: Pearson's r, pass@k (Chen et al. 2021), the area under the accuracy
+curve, and Student's t intervals (closed form, no SciPy) for paired differences over seeds."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+def pearson(x: list[float], y: list[float]) -> float:
+    pairs = [(a, b) for a, b in zip(x, y) if math.isfinite(a) and math.isfinite(b)]
+    if len(pairs) < 3:
+        return float("nan")
+    xs, ys = torch.tensor(pairs, dtype=torch.float64).T
+    return torch.corrcoef(torch.stack([xs, ys]))[0, 1].item()
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of one problem from n samples of which c are right (Chen et al. 2021,
+    arXiv 2107.03374, eq. 1): 1 - C(n-c, k) / C(n, k), the chance that k samples drawn without
+    replacement from the n include a right one. Averaging it over problems has less variance than
+    drawing only k samples each; k = n gives "any of the n is right", k = 1 gives c / n (= mean@n)."""
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def pass_k_values(k_max: int) -> list[int]:
+    """The k of the logged pass@k: every power of two up to k_max, and k_max itself."""
+    return sorted({2 ** i for i in range(k_max.bit_length())} | {k_max})
+
+
+def accuracy_auc(steps: list[int], accuracy: list[float]) -> float:
+    """Area under the held-out accuracy curve divided by the run's length: the mean height of the curve
+    that joins the evaluation points with straight lines (trapezoid rule, step 0 to the last step).
+    It averages the noise of several evaluations, where the final accuracy has only one's."""
+    if len(steps) == 1:
+        return accuracy[0]
+    area = sum((s1 - s0) * (a0 + a1) / 2 for s0, s1, a0, a1 in zip(steps, steps[1:], accuracy, accuracy[1:]))
+    return area / (steps[-1] - steps[0])
+
+
+def t_interval(values: list[float]) -> dict:
+    """Mean of n values and its 95% interval, mean ± t(0.975, n-1) · std / sqrt(n), std with n-1
+    (Student's t: the values are treated as independent draws, here one per seed). With fewer than
+    two values there is no interval (low = high = None)."""
+    n = len(values)
+    if n == 0:
+        return {"n": 0, "mean": None, "std": None, "half_width": None, "low": None, "high": None}
+    mean = sum(values) / n
+    if n == 1:
+        return {"n": 1, "mean": mean, "std": None, "half_width": None, "low": None, "high": None}
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = t_quantile_975(n - 1) * std / math.sqrt(n)
+    return {"n": n, "mean": mean, "std": std, "half_width": half, "low": mean - half, "high": mean + half}
+
+
+def t_quantile_975(dof: int) -> float:
+    """The 97.5% quantile of Student's t with `dof` degrees of freedom (12.706 for 1, 4.303 for 2,
+    2.776 for 4, -> 1.960), by bisection on the exact distribution function student_t_central."""
+    low, high = 0.0, 1.0
+    while student_t_central(high, dof) < 0.95:
+        high *= 2
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if student_t_central(mid, dof) < 0.95 else (low, mid)
+    return (low + high) / 2
+
+
+def student_t_central(t: float, dof: int) -> float:
+    """P(|T| <= t) for Student's t with an integer number of degrees of freedom, in closed form
+    (Abramowitz & Stegun 26.7.3 for odd dof, 26.7.4 for even), with theta = atan(t / sqrt(dof)):
+    odd:  2/pi (theta + sin theta (cos theta + 2/3 cos^3 theta + ... + 2*4..(dof-3) / 1*3..(dof-2) cos^(dof-2) theta))
+    even: sin theta (1 + 1/2 cos^2 theta + ... + 1*3..(dof-3) / 2*4..(dof-2) cos^(dof-2) theta)."""
+    theta = math.atan(t / math.sqrt(dof))
+    sin, cos2 = math.sin(theta), math.cos(theta) ** 2
+    series = 0.0
+    if dof % 2 == 1:
+        term = math.cos(theta)
+        for j in range((dof - 1) // 2):
+            series += term
+            term *= (2 * j + 2) / (2 * j + 3) * cos2
+        return 2 / math.pi * (theta + sin * series)
+    term = 1.0
+    for j in range(dof // 2):
+        series += term
+        term *= (2 * j + 1) / (2 * j + 2) * cos2
+    return sin * series

@@ -1,0 +1,183 @@
+"""The task: the built-in arithmetic word problems (offline), or GSM8K-style data from the hub, a local
+dataset directory or a .jsonl file; the prompt format; and the answer parsing that gives the reward
+(regular expressions only, never eval/exec)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+from decimal import Decimal, InvalidOperation
+
+import torch
+
+from tepokit.errors import fail, first_line
+from tepokit.hub import cannot_load, use_offline_hub_if_unreachable
+
+NAMES = ["Ann", "Bob", "Cal", "Dee", "Eve", "Fay", "Gus", "Hal", "Ivy", "Jon"]
+
+
+ITEMS = ["apple", "pen", "cup", "book", "egg", "coin", "card", "shell"]
+
+
+# How the sloppy solver of the warm-up corpus misreads each kind of problem: it adds when it should
+# multiply or subtract, and subtracts when it should add. One systematic misreading per kind, as
+# real students (and real pretraining corpora) have.
+MISREAD = {"+": "-", "-": "+", "*": "+"}
+
+
+def arithmetic_task_size(difficulty: int, ops: str) -> int:
+    """How many problems make_arithmetic_task draws at most: half of the distinct questions, so
+    that drawing without repeats stays fast."""
+    return len(NAMES) * len(ITEMS) * len(ops) * difficulty * difficulty // 2
+
+
+def make_arithmetic_task(difficulty: int, n_train: int, n_test: int, seed: int, ops: str = "+-*",
+                         sft_noise: float = 0.0):
+    """One-step word problems with GSM8K-style worked answers ending in `#### <number>`.
+
+    difficulty = the largest operand. Questions are unique, and the test split never shares a
+    question with the training split; both are fixed by the seed.
+    Columns: question, answer (always right: rewards and evaluation use it), and demonstration
+    (what the supervised warm-up imitates): the right worked answer, or, for a fraction
+    `sft_noise` of the problems, a MISREADING of the problem worked out correctly, e.g. "7+3=10"
+    for "7 bags of 3". The warm-up model thus knows both readings and picks between them almost
+    at random; reading the problem right is a behaviour that transfers across problems, so RL
+    can learn it within a few thousand prompts (it cannot memorise new arithmetic facts that fast).
+    """
+    import datasets
+    rng = random.Random(f"arithmetic-{seed}-{difficulty}")
+    noise_rng = random.Random(f"misread-{seed}")
+    seen, rows = set(), []
+    while len(rows) < min(n_train + n_test, arithmetic_task_size(difficulty, ops)):
+        name, item = rng.choice(NAMES), rng.choice(ITEMS)
+        a, b, op = rng.randint(1, difficulty), rng.randint(1, difficulty), rng.choice(ops)
+        if op == "+":
+            q = f"{name} has {a} {item}s and gets {b} more. How many {item}s now?"
+        elif op == "-":
+            a, b = max(a, b), min(a, b)
+            q = f"{name} has {a} {item}s and gives away {b}. How many are left?"
+        else:
+            q = f"{name} has {a} bags of {b} {item}s. How many {item}s in all?"
+        if q not in seen:
+            seen.add(q)
+            shown = MISREAD[op] if noise_rng.random() < sft_noise else op
+            rows.append({"question": q, "answer": worked_answer(a, op, b), "demonstration": worked_answer(a, shown, b)})
+    return datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[n_test:]),
+                                 "test": datasets.Dataset.from_list(rows[:n_test])})
+
+
+def worked_answer(a: int, op: str, b: int) -> str:
+    c = a + b if op == "+" else a - b if op == "-" else a * b
+    return f"{a}{op}{b}={c}\n#### {c}"
+
+
+def load_task(args):
+    """A DatasetDict with train/test splits of question/answer records."""
+    if args.dataset is None:
+        return make_arithmetic_task(args.difficulty, args.n_train, args.n_test, args.seed, args.ops, args.sft_noise)
+    import datasets
+    path = os.path.expanduser(args.dataset)
+    offline_reason = None if os.path.exists(path) else use_offline_hub_if_unreachable()
+    try:
+        if path.endswith(".jsonl"):
+            data = datasets.Dataset.from_list(read_jsonl_task(path))
+        elif path.endswith(".json"):
+            data = datasets.load_dataset("json", data_files=path)
+        elif os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_dict.json")):
+            data = datasets.load_from_disk(path)
+        elif os.path.isdir(path):
+            data = datasets.load_dataset(path)
+        else:
+            data = datasets.load_dataset(args.dataset, "main" if args.dataset.endswith("gsm8k") else None)
+    except Exception as e:  # noqa: BLE001 -- any loading failure is a user-facing one-liner
+        cannot_load("dataset", args.dataset, e, offline_reason,
+                    "give a local .jsonl file or dataset directory, or run without --dataset for the built-in task")
+    if isinstance(data, datasets.Dataset):
+        data = datasets.DatasetDict({"train": data})
+    if not {"question", "answer"} <= set(data["train"].column_names):
+        fail(f"dataset {args.dataset!r} has columns {data['train'].column_names}; need question and answer")
+    if "test" not in data:   # a fixed, seeded held-out split
+        if len(data["train"]) < 10:
+            fail(f"dataset {args.dataset!r} has {len(data['train'])} rows and no test split; need at least 10 "
+                 "rows (a fifth is held out)")
+        data = data["train"].train_test_split(test_size=min(args.n_test, len(data["train"]) // 5), seed=args.seed)
+    return data
+
+
+def read_jsonl_task(path: str) -> list[dict]:
+    """The question/answer rows of a local .jsonl file (one JSON object per line; blank lines skipped).
+    A bad line is reported as such: file, line number and what is wrong."""
+    rows = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError) as e:
+        fail(f"dataset {path}: cannot be read as UTF-8 text ({type(e).__name__}: {first_line(e)})")
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            fail(f"dataset {path}, line {number}: not valid JSON ({e.msg}, column {e.colno}); "
+                 "each line must be one JSON object with text fields question and answer")
+        if not (isinstance(row, dict) and all(isinstance(row.get(k), str) for k in ("question", "answer"))):
+            fail(f"dataset {path}, line {number}: needs a JSON object with text fields question and answer, "
+                 f"got {line.strip()[:60]!r}")
+        rows.append({"question": row["question"], "answer": row["answer"]})
+    if not rows:
+        fail(f"dataset {path}: no rows; each line must be one JSON object with text fields question and answer")
+    return rows
+
+
+def format_prompt(question: str) -> str:
+    return question.strip() + "\n"
+
+
+# ---- answer parsing: regular expressions only, never eval/exec -----------------------------------
+# A number: optional minus, digits with optional thousands separators ("1,234"), optional decimals.
+NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
+
+
+STRICT_ANSWER = re.compile(r"####\s*(" + NUMBER + r")\s*$")
+
+
+ANY_NUMBER = re.compile(NUMBER)
+
+
+def to_number(text: str | None) -> Decimal | None:
+    """'1,234' -> Decimal('1234'); '12.0' == '12'. None when there is no number."""
+    if text is None:
+        return None
+    try:
+        return Decimal(text.replace(",", ""))
+    except InvalidOperation:
+        return None
+
+
+def parse_strict(text: str) -> Decimal | None:
+    """The number after a final `#### ` (GSM8K's format), nothing else may follow."""
+    m = STRICT_ANSWER.search(text)
+    return to_number(m.group(1)) if m else None
+
+
+def parse_lenient(text: str) -> Decimal | None:
+    """The last number anywhere in the text."""
+    last = None
+    for last in ANY_NUMBER.finditer(text):
+        pass
+    return to_number(last.group(0)) if last else None
+
+
+def gold_answer(answer_text: str) -> Decimal | None:
+    strict = parse_strict(answer_text.strip())       # `is None`, not `or`: Decimal(0) is falsy
+    return strict if strict is not None else parse_lenient(answer_text)
+
+
+def score_completions(texts: list[str], golds: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """(strict_correct[B], lenient_correct[B]) as float tensors of 0/1."""
+    strict = [float(g is not None and parse_strict(t) == g) for t, g in zip(texts, golds)]
+    lenient = [float(g is not None and parse_lenient(t) == g) for t, g in zip(texts, golds)]
+    return torch.tensor(strict), torch.tensor(lenient)

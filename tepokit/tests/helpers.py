@@ -1,0 +1,109 @@
+"""Shared by the tests of train_small.py and tepokit: the micro configuration, running main() in-process,
+reading logs, refusals in one line."""
+import contextlib
+import dataclasses
+import io
+import itertools
+import json
+import os
+from pathlib import Path
+
+import torch
+
+import tepo
+import train_small as ts
+from tepokit.cli import objective_config, parse_args
+from tepokit.rundir import save_checkpoint
+
+
+REPO = str(Path(__file__).resolve().parents[2])      # the repository root
+SCRIPT = os.path.join(REPO, "train_small.py")
+
+
+# A micro configuration: a 1-layer model of width 32, 2 prompts x 4 samples, easy problems (operands
+# 1..2) and a 40-step warm-up so that groups have mixed rewards and every objective really updates.
+MICRO = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--difficulty", "2", "--n-train", "60",
+         "--n-test", "4", "--warmup-steps", "40", "--warmup-lr", "3e-3", "--warmup-batch", "16",
+         "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "12", "--overlong-cache", "4",
+         "--pass-k", "2", "--pass-k-problems", "2", "--entropy-check-rows", "4", "--reward", "lenient",
+         "--lr", "1e-3", "--eval-every", "2", "--save-every", "1"]
+
+TIMING = ("timing/", "perf/", "memory/", "step_time")
+
+
+def run_main(argv):
+    assert ts.main(argv) == 0
+
+
+def read_rows(run_dir):
+    return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+def without_timing(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
+def micro_run(model, tokenizer, args, objective, ref_model=None, lr=1e-3, **overrides):
+    """A ts.Run around a model built in the test (no run directory, no task)."""
+    return ts.Run(args=dataclasses.replace(args, objective=objective), cfg=tepo.config_for(objective, **overrides),
+                  objective=tepo.OBJECTIVES[objective], device=torch.device("cpu"), run_dir="", model=model,
+                  ref_model=ref_model, tokenizer=tokenizer,
+                  optimizer=torch.optim.Adam(model.parameters(), lr=lr), train_set=None, test_set=None,
+                  first_step=1, details_path=None)
+
+
+def hand_batch(vocab: int, rows: int, prompt: int, completion: int, seed: int = 0) -> dict:
+    """A rollout batch made by hand: left-padded prompts and completions of different lengths."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_mask = torch.ones(rows, prompt, dtype=torch.long)
+    completion_mask = torch.ones(rows, completion, dtype=torch.long)
+    for i in range(rows):
+        prompt_mask[i, :i % 3] = 0                                   # left padding
+        completion_mask[i, completion - i % 4:] = 0                  # right padding after the end
+    return dict(prompt_ids=torch.randint(1, vocab, (rows, prompt), generator=g), prompt_mask=prompt_mask,
+                completion_ids=torch.randint(1, vocab, (rows, completion), generator=g),
+                completion_mask=completion_mask)
+
+
+def read_details(run_dir):
+    return [json.loads(line) for line in open(os.path.join(run_dir, "details.jsonl"))]
+
+
+def brute_force_pass_at_k(n: int, c: int, k: int) -> float:
+    """Every k-subset of n samples (the first c right), the fraction that holds a right one."""
+    subsets = list(itertools.combinations(range(n), k))
+    return sum(any(i < c for i in subset) for subset in subsets) / len(subsets)
+
+
+def parse_outcome(argv):
+    """(exit status or None if accepted, stderr lines) of parse_args, in-process."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            parse_args(ts.Args, argv)
+            code = None
+        except SystemExit as e:
+            code = e.code
+    return code, err.getvalue().splitlines()
+
+
+def assert_refused_in_one_line(argv, *needles):
+    code, lines = parse_outcome(argv)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("train_small.py: error: "), (argv, code, lines)
+    for needle in needles:
+        assert needle in lines[0], (argv, needle, lines)
+    return lines[0]
+
+
+def fake_run(run_dir, step=2, **args):
+    """A run directory as train_small.py leaves it: config.json and checkpoint.pt (a tiny model)."""
+    os.makedirs(run_dir, exist_ok=True)
+    saved = ts.Args(**{"steps": 4, **args})
+    cfg = objective_config(saved, {})
+    json.dump({"args": dataclasses.asdict(saved), "objective_overrides": {},
+               "objective_config": dataclasses.asdict(cfg)}, open(os.path.join(run_dir, "config.json"), "w"))
+    model = torch.nn.Linear(3, 3)
+    save_checkpoint(str(run_dir), model, torch.optim.Adam(model.parameters()), step)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps({"step": s}) + "\n" for s in range(step + 1))
+    return str(run_dir)

@@ -1,0 +1,182 @@
+"""tepokit/cli.py: every flag validated in one line, --help, --regime, the rules of --resume."""
+import argparse
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tepo
+import train_small as ts
+import tepokit.cli
+from tepokit.cli import REGIMES, build_parser, field_kinds, objective_config, parse_args, resume_args
+from tepokit.tests.helpers import SCRIPT, parse_outcome, assert_refused_in_one_line, fake_run
+
+
+def test_bad_flag_in_a_real_process_and_offline_hub():
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}   # fail fast instead of waiting for the network
+    for argv in (["--objective", "nope"], ["--model", "some-org/some-model", "--steps", "1"]):
+        out = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True, timeout=180,
+                             env=env, cwd=os.path.dirname(SCRIPT))
+        assert out.returncode == 2, out.stderr
+        lines = [line for line in out.stderr.strip().splitlines() if line.strip()]
+        assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+
+
+def test_objective_flags_cover_every_config_field():
+    parser = build_parser(ts.Args)
+    flags = {a.dest for a in parser._actions}
+    import dataclasses
+    assert {f.name for f in dataclasses.fields(tepo.ObjectiveConfig)} <= flags
+    args, overrides = parse_args(ts.Args, ["--objective", "tepo", "--eps-low", "0.01", "--dual-clip-c", "none",
+                                     "--no-dynamic-sampling", "--kl-target", "ref"])
+    cfg = objective_config(args, overrides)
+    assert cfg.eps_low == 0.01 and cfg.dynamic_sampling is False and cfg.kl_target == "ref"
+    assert cfg.eps_high == tepo.PAPER_DEFAULTS["tepo"].eps_high
+
+
+def test_regime_is_a_preset_that_explicit_flags_override():
+    assert parse_args(ts.Args, ["--regime", "collapse"])[0].lr == REGIMES["collapse"]["lr"] != ts.Args.lr
+    assert parse_args(ts.Args, ["--regime", "collapse", "--lr", "5e-5"])[0].lr == 5e-5
+    assert parse_args(ts.Args, [])[0].lr == ts.Args.lr and parse_args(ts.Args, [])[0].regime == "standard"
+
+
+def non_hidden_flags():
+    """(field name, kind) of every flag, Args and objective settings, except the hidden --stop-after."""
+    return [(name, kind) for name, (kind, _) in field_kinds(ts.Args).items() if name != "stop_after"]
+
+
+FUZZ_NUMBERS = ["0", "-1", "-0.5", "nan", "inf", "-inf", "1e300", "99999999999999999999", "x", ""]
+
+
+def test_fuzz_every_flag_with_hostile_values(tmp_path, monkeypatch):
+    """Every flag with zero, negative numbers, nan, inf, huge numbers and a wrong type: refused in one
+    line naming the flag, or accepted; nothing is created. nan and inf are refused for every float flag."""
+    monkeypatch.chdir(tmp_path)
+    accepted = []
+    for name, kind in non_hidden_flags():
+        flag = tepokit.cli.flag(name)
+        for value in ["3", "maybe"] if kind == "bool" else FUZZ_NUMBERS:
+            argv = [f"{flag}={value}"]
+            code, lines = parse_outcome(argv)
+            if code is None:
+                assert all(line.startswith("train_small.py: warning: ") for line in lines), (argv, lines)
+                accepted.append(argv)
+                must_refuse = (kind == "float" and value in ("nan", "inf", "-inf")
+                               or kind == "int" and value in ("nan", "inf", "1e300", "99999999999999999999", "x"))
+                assert not must_refuse, argv
+            else:
+                assert code == 2 and len(lines) == 1 and lines[0].startswith("train_small.py: error: "), lines
+                assert flag in lines[0], (argv, lines)
+    assert ["--lr=1e300"] in accepted and ["--out=x"] in accepted      # huge but meaningful; a plain path
+    assert os.listdir(tmp_path) == []
+
+
+HOSTILE = [
+    ["--overlong-cache", "30", "--max-new-tokens", "10"], ["--n-embd", "30", "--n-head", "4"],
+    ["--arch", "qwen2", "--n-embd", "6", "--n-head", "2"], ["--mini-batches", "5", "--prompts-per-step", "4"],
+    ["--micro-batch-size", "9", "--prompts-per-step", "2", "--group-size", "4", "--mini-batches", "1"],
+    ["--difficulty", "1", "--ops", "+"], ["--ops=+-+"], ["--ops=/"], ["--compare", "grpo,grpo"],
+    ["--compare", "grpo,"], ["--compare="], ["--compare", "grpo,tepo", "--baseline", "dapo"],
+    ["--bench", "--compare", "grpo,tepo"], ["--clip-cov-lb", "6"], ["--clip-cov-ratio", "2"],
+    ["--seed", "2147483647", "--seeds", "2"], ["--dual-clip-c", "1"], ["--norm-constant=-1"],
+    ["--model", "a b"], ["--model", "./missing"], ["--dataset", "missing.jsonl"], ["--resume", "missing"],
+    ["--steps"], ["--no-such-flag"], ["--dry-run=yes"], ["--lr", "1e-4", "--lr", "nan"], ["--objective", "PPO"],
+    ["--threads", "100000"], ["--warmup-batch", "0"], ["--pass-k-problems", "0"], ["--n-layer", "-1"],
+    ["--n-head", "0"], ["--entropy-check-rows", "-1"], ["--target-accuracy", "1.5"], ["--sft-noise", "-0.1"],
+] + ([] if torch.cuda.is_available() else [["--device", "cuda"]])
+
+
+@pytest.mark.parametrize("argv", HOSTILE, ids=" ".join)
+def test_hostile_combinations_are_refused_in_one_line(argv, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert_refused_in_one_line(argv)
+    assert os.listdir(tmp_path) == []
+
+
+def test_refusals_name_the_flag_the_value_and_what_is_valid():
+    assert_refused_in_one_line(["--n-head", "0"], "--n-head", "'0'", "an integer >= 1")
+    assert_refused_in_one_line(["--overlong-cache", "30"], "--overlong-cache", "30", "1..24")
+    assert_refused_in_one_line(["--eps-low=-0.1"], "--eps-low", "-0.1", ">= 0")
+    assert_refused_in_one_line(["--clip-cov-lb", "6"], "--clip-cov-lb", "--clip-cov-ub (5.0)")
+    assert_refused_in_one_line(["--aggregation", "median"], "median", "seq-mean-token-mean")
+    assert_refused_in_one_line(["--objective", "nope"], "nope", "grpo", "tepo")
+    assert_refused_in_one_line(["--micro-batch-size", "9", "--prompts-per-step", "2", "--group-size", "4",
+                                "--mini-batches", "1"], "--micro-batch-size", "up to 8")
+
+
+def test_settings_the_objective_does_not_read_are_warned_about():
+    code, lines = parse_outcome(["--objective", "grpo", "--block-size", "8", "--kl-mode", "hard", "--eps-high", "0.3"])
+    assert code is None and len(lines) == 2, lines
+    assert "--block-size" in lines[0] and "grpo" in lines[0] and "mpo" in lines[0]
+    assert "--kl-mode" in lines[1] and "tepo" in lines[1]
+    # in --compare, a setting read by one of the compared objectives is not ignored
+    assert parse_outcome(["--compare", "grpo,mpo", "--block-size", "8"]) == (None, [])
+
+
+def test_real_processes_refuse_in_one_line_and_create_nothing(tmp_path):
+    for argv in (["--n-head", "0"], ["--lr=nan"], ["--n-embd", "30", "--n-head", "4"], ["--bogus"]):
+        out = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True, timeout=180,
+                             cwd=tmp_path)
+        assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert "Traceback" not in out.stderr and out.stdout == ""
+    assert os.listdir(tmp_path) == []
+
+
+def test_accepted_values_pass_the_dry_run(tmp_path, monkeypatch):
+    if "args.dry_run" not in Path(SCRIPT).read_text():
+        pytest.skip("--dry-run is not implemented yet")
+    monkeypatch.chdir(tmp_path)
+    for argv in (["--lr=1e300"], ["--temperature", "1e-300"], ["--eps-high", "1e300"], ["--steps", "2147483647"],
+                 ["--objective", "grpo", "--block-size", "8"], ["--micro-batch-size", "64"], ["--n-layer", "1"]):
+        assert ts.main([*argv, "--dry-run"]) == 0, argv
+
+
+def test_help_tells_the_truth():
+    parser = build_parser(ts.Args)
+    text = parser.format_help()
+    shown = [a for a in parser._actions if a.help != argparse.SUPPRESS and a.dest != "help"]
+    assert {a.dest for a in shown} == {name for name, _ in non_hidden_flags()}     # every field, --stop-after hidden
+    assert "--stop-after" not in text
+    for action in shown:        # every flag has its own help text, not its name
+        assert action.help and action.help.split(" (default")[0] not in (action.dest, action.dest.replace("_", "-"))
+        assert action.help.lower().count("default") <= 1, action.help
+    assert "default: None" not in text and "(default: None)" not in text and "None" not in text
+    modules = [tepo, ts, *(m for name, m in sys.modules.items() if name.startswith("tepokit."))]
+    python_names = {n for m in modules for n in dir(m) if n.isupper() and len(n) > 3}
+    assert not [n for n in python_names if n in text] and not re.search(r"\b(tepo|ts)\.(?!py)", text)
+    beta = next(a.help for a in shown if a.dest == "beta")
+    assert "paper value" in beta and "0.04 (grpo)" in beta and "1 (kl_cov, tepo)" in beta
+    block = next(a.help for a in shown if a.dest == "block_size")
+    assert "4 (mpo)" in block and "grpo" not in block          # only the objectives that read it
+    assert "(default: 200)" in next(a.help for a in shown if a.dest == "steps")
+
+
+def test_resume_refuses_flags_that_change_what_is_computed(tmp_path):
+    run_dir = fake_run(tmp_path / "run")
+    line = assert_refused_in_one_line(["--resume", run_dir, "--lr", "5", "--objective", "dapo", "--eps-high", "0.3"],
+                                      "--lr 5.0", "--objective 'dapo'", "--eps-high 0.3")
+    assert "--threads" not in line
+    assert_refused_in_one_line(["--resume", run_dir, "--out", str(tmp_path / "elsewhere")], "--out")
+    # the saved value, run-only flags and --steps are fine
+    args, overrides = parse_args(ts.Args, ["--resume", run_dir, "--objective", "tepo", "--eps-high", "0.0004",
+                                     "--threads", "1", "--steps", "9"])
+    assert (args.objective, args.steps, args.threads, args.out, overrides) == ("tepo", 9, 1, run_dir, {})
+    assert parse_args(ts.Args, ["--resume", run_dir])[0].steps == 4                 # the saved length
+    assert_refused_in_one_line(["--resume", run_dir, "--steps", "1"], "--steps", ">= 2")   # below the checkpoint
+    assert_refused_in_one_line(["--resume", run_dir, "--compare", "grpo,tepo"], "--resume", "--compare")
+    # a fresh run may not overwrite a run directory that holds a checkpoint
+    assert_refused_in_one_line(["--out", run_dir], "--out", f"--resume {run_dir}")
+
+
+def test_resume_args_keeps_saved_settings_and_takes_run_only_fields():
+    saved_args = ts.Args(objective="grpo", lr=3e-4, steps=10, threads=2)
+    saved = {"args": dataclasses.asdict(saved_args), "objective_overrides": {"beta": 0.1}}
+    cli = ts.Args(resume="r", threads=1, steps=20, lr=3e-4)
+    args, overrides = resume_args(cli, {}, {"resume", "threads", "steps", "lr"}, saved, checkpoint_step=7)
+    assert (args.objective, args.lr, args.threads, args.steps, args.out, args.resume) == ("grpo", 3e-4, 1, 20, "r", "r")
+    assert overrides == {"beta": 0.1}

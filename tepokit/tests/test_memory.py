@@ -1,0 +1,128 @@
+"""tepokit/memory.py: the memory plan, --dry-run, refusing a run that would not fit, measured peaks."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train_small as ts
+import tepokit.memory
+from tepokit.cli import parse_args
+from tepokit.memory import check_memory, peak_memory_mb, reset_peak_memory
+from tepokit.task import load_task
+from tepokit.tests.helpers import SCRIPT, MICRO, run_main, read_rows
+
+
+def test_dry_run_prints_the_plan_and_creates_nothing(workdir, capsys):
+    run_main([*MICRO, "--dry-run", "--out", "runs/dry"])
+    out = capsys.readouterr().out
+    assert "memory plan" in out and "estimated peak" in out and "logits, one micro-batch" in out
+    assert not os.path.exists("runs/dry")
+
+
+def test_a_run_that_would_not_fit_is_refused_in_one_line(workdir, monkeypatch, capsys):
+    monkeypatch.setattr(tepokit.memory, "device_memory", lambda device: 2**20)          # a 1 MiB device
+    with pytest.raises(SystemExit) as e:
+        ts.main([*MICRO, "--out", "runs/too_big"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "exceeds" in err[0] and "--force" in err[0]
+    assert not os.path.exists("runs/too_big")
+    args, overrides = parse_args(ts.Args, [*MICRO, "--force"])
+    check_memory(args, load_task(args), torch.device("cpu"), False)    # --force: no refusal
+
+
+def test_gradient_checkpointing_on_a_model_without_it_is_refused_in_one_line(workdir, monkeypatch, capsys):
+    """transformers marks each architecture with supports_gradient_checkpointing; one without it
+    (here GPT-2, marked so for the test) is refused before anything is created or loaded."""
+    from transformers import GPT2PreTrainedModel
+    monkeypatch.setattr(GPT2PreTrainedModel, "supports_gradient_checkpointing", False)
+    with pytest.raises(SystemExit) as e:
+        ts.main([*MICRO, "--gradient-checkpointing", "--out", "runs/no_ckpt"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--gradient-checkpointing" in err[0] and "does not support" in err[0]
+    assert not os.path.exists("runs/no_ckpt")
+
+
+def test_peak_memory_restarts_with_each_run():
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs Linux /proc")
+    big = torch.ones(64 * 2**20 // 4)                                         # 64 MiB, touched
+    del big
+    before = peak_memory_mb(torch.device("cpu"))
+    reset_peak_memory(torch.device("cpu"))
+    assert peak_memory_mb(torch.device("cpu")) < before - 32
+
+
+# The CPU proof of the memory claims, on the real vocabulary size of Qwen2.5 (151,936) in a 2-layer
+# Qwen2 of width 64 with a local 151,936-token tokenizer. glibc's heap keeps freed blocks below its
+# (adaptive) mmap threshold, so resident memory would count freed tensors: the runs fix the
+# threshold at 1 MiB, which makes resident memory follow the live tensors.
+QWEN_VOCAB = 151_936
+
+
+def make_model_dir(path, vocab_size: int, width: int = 64, layers: int = 2) -> str:
+    """A Qwen2-architecture micro model with a WordLevel tokenizer of vocab_size entries, saved."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+    chars = sorted(set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+-*/=#.,:?! \n"))
+    vocab = {"<|endoftext|>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    vocab.update({f"<t{i}>": i for i in range(len(vocab), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                        unk_token="<unk>", padding_side="left")
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=width, intermediate_size=4 * width,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                         tie_word_embeddings=True, max_position_embeddings=256, bos_token_id=0, eos_token_id=0,
+                         pad_token_id=0)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def measured_runs(tmp_path_factory):
+    """Three 2-step GRPO runs in subprocesses on the 151,936-token micro model: (prompts per step,
+    micro-batch size) -> (measured peak minus the memory before the model, printed estimate), MiB."""
+    d = tmp_path_factory.mktemp("qwen_vocab")
+    with open(d / "data.jsonl", "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"question": f"Ann has {i} pens and gets {i + 1} more. How many pens now?",
+                                "answer": f"#### {2 * i + 1}"}) + "\n")
+    model_dir = make_model_dir(d / "model", QWEN_VOCAB)
+    return {(prompts, micro): measured_run(model_dir, str(d / "data.jsonl"), str(d / f"p{prompts}m{micro}"),
+                                           prompts, micro)
+            for prompts, micro in ((4, 4), (8, 4), (2, 8))}
+
+
+def measured_run(model_dir: str, data: str, out: str, prompts: int, micro: int) -> tuple[float, float]:
+    argv = [sys.executable, SCRIPT, "--model", model_dir, "--dataset", data, "--objective", "grpo", "--beta", "0",
+            "--steps", "2", "--prompts-per-step", str(prompts), "--group-size", "4", "--mini-batches", "1",
+            "--micro-batch-size", str(micro), "--max-new-tokens", "16", "--overlong-cache", "4",
+            "--max-prompt-tokens", "16", "--n-test", "2", "--pass-k", "2", "--pass-k-problems", "1",
+            "--eval-every", "100", "--entropy-check-rows", "4", "--no-check-sampling-logprobs", "--threads", "1",
+            "--out", out]
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_TRIM_THRESHOLD_": "1048576"}
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = read_rows(out)
+    peak = max(row["perf/peak_memory_mb"] for row in rows[1:]) - rows[0]["memory/process_before_model_mb"]
+    estimate = float(re.search(r"estimated peak \(\w+\)\s+([\d.]+) GiB", r.stdout).group(1)) * 1024
+    return peak, estimate
+
+
+def test_memory_plan_is_within_25_percent_of_the_measured_peak(measured_runs):
+    for config, (peak, estimate) in measured_runs.items():
+        assert abs(estimate - peak) <= 0.25 * peak, (config, peak, estimate)
+
+
+def test_doubling_the_rollout_at_a_fixed_micro_batch_raises_the_peak_less_than_20_percent(measured_runs):
+    (small, _), (large, _) = measured_runs[(4, 4)], measured_runs[(8, 4)]
+    assert large < 1.2 * small, (small, large)

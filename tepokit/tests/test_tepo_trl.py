@@ -1,0 +1,165 @@
+"""tepokit/tepo_trl.py: TEPO and the other objectives inside TRL's GRPOTrainer (parity with TRL's own loss), --engine trl."""
+import copy
+import dataclasses
+import json
+import math
+import os
+import re
+
+import pytest
+import torch
+
+import tepo
+import train_small as ts
+from tepokit.cli import parse_args
+from tepokit.model import prepare_start_model
+from tepokit.task import load_task
+from tepokit.tests.helpers import MICRO, run_main, read_rows
+
+
+TRL_PARITY = {   # case: (tepo objective, its config overrides, TRL's own loss settings)
+    "dapo": ("dapo", {}, dict(loss_type="dapo")),
+    "grpo_beta0": ("grpo", {"beta": 0.0}, dict(loss_type="grpo")),
+    "grpo_beta0.04": ("grpo", {}, dict(loss_type="grpo")),
+    "dr_grpo": ("dr_grpo", {}, dict(loss_type="dr_grpo")),
+    "gspo": ("gspo", {}, dict(loss_type="grpo", importance_sampling_level="sequence")),
+}
+
+
+def reward_by_length(completions, **_):
+    """A reward that differs within groups even for an untrained model: the length mod 3."""
+    return [float(len(c) % 3) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def trl_model(workdir):
+    """The micro built-in model directory (warmed up and cached like section 15's runs)."""
+    pytest.importorskip("trl")
+    args, _ = parse_args(ts.Args, MICRO)
+    return prepare_start_model(args, load_task(args), torch.device("cpu"))
+
+
+def parity_trainer(model_dir, objective, cfg, trl_loss, out):
+    import datasets
+    from tepokit import tepo_trl
+    config = tepo_trl.grpo_config(
+        objective, cfg, output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        num_generations=4, max_completion_length=12, temperature=1.0, top_k=0, top_p=1.0, seed=0, use_cpu=True,
+        bf16=False, report_to="none", save_strategy="no", activation_checkpointing=False, disable_dropout=True,
+        **trl_loss)
+    prompts = datasets.Dataset.from_dict({"prompt": ["Ann has 2 eggs and gets 1 more. How many eggs now?\n",
+                                                     "Bob has 2 bags of 2 pens. How many pens in all?\n"]})
+    return tepo_trl.TepoGRPOTrainer(model=model_dir, reward_funcs=reward_by_length, args=config,
+                                    train_dataset=prompts, objective=objective, objective_config=cfg)
+
+
+def one_accumulated_step(trainer, compute_loss, micro_batches):
+    """Sum of the micro-batch losses, backward, one SGD step on a copy: (loss, grads, params).
+    SGD, not Adam: Adam's first step is lr * g / (|g| + 1e-8), which turns float32 rounding on a
+    gradient of size 1e-8 into a difference of size lr; SGD's update shows the gradient itself."""
+    model = copy.deepcopy(trainer.model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    total = 0.0
+    for batch in micro_batches:
+        loss = compute_loss(trainer, model, batch)
+        loss.backward()
+        total += loss.item()
+    grads = [p.grad.clone() for p in model.parameters()]
+    optimizer.step()
+    return total, grads, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("case", list(TRL_PARITY))
+def test_trl_parity_one_step(case, trl_model, tmp_path):
+    from trl import GRPOTrainer
+    from trl.trainer.utils import split_tensor_dict
+    objective, overrides, trl_loss = TRL_PARITY[case]
+    cfg = tepo.config_for(objective, **overrides)
+    trainer = parity_trainer(trl_model, objective, cfg, trl_loss, str(tmp_path))
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2          # as Trainer's loop sets it
+    torch.manual_seed(0)
+    rows = [{"prompt": p} for p in trainer.train_dataset["prompt"] for _ in range(4)]   # 2 groups of G = 4
+    inputs = trainer._generate_and_score_completions(rows)
+    # TRL's advantages are tepo's group_advantages with TRL's epsilon 1e-4
+    rewards = torch.tensor(list(trainer._logs["rewards"]["reward_by_length"])[-8:])
+    assert rewards.std() > 0
+    expected = tepo.group_advantages(rewards, 4, cfg.advantage_scale, eps=1e-4)
+    torch.testing.assert_close(inputs["advantages"].float(), expected.float(), atol=1e-6, rtol=1e-6)
+    # off-policy old and reference log-probs (seeded), so that clipping and the KL term act
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        logp, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attn, ids.shape[1] -
+                                                                inputs["prompt_ids"].shape[1])
+    noise = torch.Generator().manual_seed(1)
+    inputs["old_per_token_logps"] = logp + 0.3 * torch.randn(logp.shape, generator=noise)
+    if cfg.beta > 0:
+        inputs["ref_per_token_logps"] = logp + 0.3 * torch.randn(logp.shape, generator=noise)
+    micro_batches = split_tensor_dict(inputs, 2)
+    theirs = one_accumulated_step(trainer, GRPOTrainer._compute_loss, micro_batches)
+    ours = one_accumulated_step(trainer, type(trainer)._compute_loss, micro_batches)
+    assert ours[0] == pytest.approx(theirs[0], abs=1e-5)
+    for name, a, b in (("gradient", ours[1], theirs[1]), ("parameter", ours[2], theirs[2])):
+        assert max((x - y).abs().max().item() for x, y in zip(a, b)) < 1e-5, name
+    assert max(g.abs().max().item() for g in ours[1]) > 1e-3                 # a real update, not zero
+    logged = trainer._metrics["train"]
+    assert 0 < logged["clip_ratio/region_mean"][-1] < 1                      # the clip acted on some tokens
+    if cfg.beta > 0:
+        assert logged["kl"][-1] > 0                                          # tepo's kl_ref under TRL's name
+
+
+# The objectives TRL does not have run end to end through `train_small.py --engine trl`: two RL
+# steps, two epochs per rollout (the second pass is off-policy, so masks and penalties can act),
+# finite losses, and each objective's own metric in metrics.jsonl next to TRL's.
+# tepo_measured needs the rollout entropy that TepoGRPOTrainer adds to TRL's batch (tepo raises without it).
+TRL_OWN_METRIC = {"tepo": "kl_mask/frac", "tepo_measured": "kl_mask/penalty", "mpo": "ratio/max",
+                  "clip_cov": "cov/n_selected", "kl_cov": "cov/n_selected"}
+
+
+@pytest.mark.parametrize("case", list(TRL_OWN_METRIC))
+def test_trl_engine_two_steps(case, trl_model):
+    objective = case.removesuffix("_measured")
+    extra = ["--entropy-criterion", "measured"] if case.endswith("_measured") else []   # rollout entropy
+    out = f"runs/trl_{case}"
+    run_main([*MICRO, "--engine", "trl", "--objective", objective, *extra, "--steps", "2", "--epochs", "2",
+              "--save-every", "100", "--out", out])
+    rows = read_rows(out)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[-1]
+    for row in rows[1:]:
+        assert math.isfinite(row["loss"]) and math.isfinite(row["pg_loss"])
+        assert math.isfinite(row[TRL_OWN_METRIC[case]])
+        assert 0 <= row["accuracy/lenient"] <= 1 and "reward" in row and "entropy" in row
+        assert 0 < row["on_policy"] < 1          # epoch 1's first mini-batch is on-policy, later ones not
+    config = json.load(open(os.path.join(out, "config.json")))
+    overrides = {"entropy_criterion": "measured"} if extra else {}
+    assert config["engine"] == "trl"
+    assert config["objective_config"] == dataclasses.asdict(tepo.config_for(objective, **overrides))
+    assert os.path.exists(os.path.join(out, "policy", "config.json"))
+
+
+def test_trl_engine_bad_split_is_one_line(trl_model, capsys):
+    """A rollout of 3 x 3 completions cannot make 2 mini-batches: exit 2, one line, nothing written.
+    (With 2 prompts, 3 mini-batches are refused earlier, by the command line: a mini-batch holds whole groups.)"""
+    with pytest.raises(SystemExit) as exc:
+        ts.main([*MICRO, "--engine", "trl", "--prompts-per-step", "3", "--group-size", "3", "--mini-batches", "2",
+                 "--out", "runs/trl_bad"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--mini-batches=2" in err and "divisor" in err
+    assert not os.path.exists("runs/trl_bad")
+
+
+@pytest.mark.parametrize("setting, message", [
+    (dict(beta=0.0), "beta=0.0"),                       # grpo's beta 0.04 needs TRL's reference log-probs
+    (dict(beta=0.04, entropy_coef=0.1), "entropy_coef=0.1"),   # a TRL loss switch tepo's loss would ignore
+])
+def test_trl_trainer_refuses_settings_it_would_ignore(setting, message, tmp_path):
+    pytest.importorskip("trl")
+    from tepokit import tepo_trl
+    from trl import GRPOConfig
+    config = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", use_bias_correction_kl=False,
+                        **setting)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tepo_trl.TepoGRPOTrainer(model="unused", reward_funcs=[], args=config, objective="grpo")

@@ -1,0 +1,212 @@
+"""train_small.py: the rollout, the RL step and the loop, end to end on micro configurations (CPU, no network)."""
+import copy
+import json
+import math
+import os
+
+import pytest
+import torch
+
+import tepo
+import train_small as ts
+from tepokit.model import build_char_tokenizer, build_tiny_model
+from tepokit.stats import accuracy_auc
+from test_tepo import F64, assert_close, cfg
+from tepokit.tests.helpers import MICRO, run_main, read_rows, without_timing, micro_run, hand_batch, read_details, brute_force_pass_at_k
+
+
+def test_end_token_is_in_loss_mask_when_pad_equals_eos():
+    eos = 0   # pad id == eos id: generate pads the rows that stopped early with the end token
+    ids = torch.tensor([[5, 6, eos, eos, eos],     # stopped: the first end token is trained
+                        [5, 6, 7, 8, 9],           # truncated: no end token
+                        [eos, eos, eos, eos, eos]])  # stopped at once: the end token is its only token
+    mask = ts.completion_mask(ids, [eos])
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+
+
+def test_recomputed_logprobs_equal_sampling_logprobs():
+    """Left padding (prompts of different lengths), pad == eos, temperature != 1."""
+    torch.manual_seed(0)
+    args = ts.Args(n_layer=2, n_embd=32, n_head=2, temperature=0.7, max_new_tokens=10, mini_batches=2, group_size=2)
+    tok = build_char_tokenizer(["abc 0123456789 Ann has a pen. How many?"])
+    model = build_tiny_model(args, tok).eval()
+    from transformers import GenerationConfig
+    model.generation_config = GenerationConfig(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    questions = ["Ann has 3 pens. How many?", "a?", "Ann has 12345 pens and 6789 more. How many?"]
+    batch = ts.generate_group(model, tok, questions, 2, args, torch.device("cpu"), want_logprobs=True)
+    assert (batch["prompt_mask"] == 0).any()       # some rows really are left-padded
+    adv = torch.randn(6)
+    keep = torch.ones(6, dtype=torch.bool)
+    run = micro_run(model, tok, args, "grpo", beta=0.0)
+    plan = ts.minibatch_plan(keep, args)
+    stats = ts.rollout_statistics(run, batch, adv, plan)
+    mask = batch["completion_mask"].bool()
+    gap = (batch["sampling_logp"] - stats["old_logp"]).abs()[mask]
+    assert gap.max().item() < 1e-5
+    # and the update's first mini-batch sees ratio exactly 1 (same rows, same forward)
+    m = ts.update_policy(run, batch, stats, adv, plan)
+    assert m["logprobs/first_minibatch_max_abs_log_ratio"] == 0.0
+
+
+@pytest.mark.parametrize("objective", sorted(tepo.OBJECTIVES))
+def test_two_steps_of_every_objective(objective, workdir):
+    out = f"runs/e2e_{objective}"
+    run_main([*MICRO, "--objective", objective, "--steps", "2", "--out", out])
+    rows = read_rows(out)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["args"]["objective"] == objective
+    assert config["needs_ref"] == tepo.needs_ref(objective, tepo.config_for(objective))
+    for r in rows[1:]:
+        for key in ("reward", "reward_std", "accuracy/strict", "accuracy/lenient", "frac_reward_zero_std",
+                    "completions/mean_length", "completions/clipped_ratio", "entropy", "cov/logp_adv",
+                    "entropy_change/predicted", "entropy_change/measured", "timing/generate", "step_time"):
+            assert key in r and r[key] == r[key], (key, r)          # present and not NaN
+        assert 0 <= r["entropy"] <= torch.log(torch.tensor(200.0)).item()
+        if not r["dynamic_sampling/skipped"]:
+            assert r["logprobs/first_minibatch_max_abs_log_ratio"] < 1e-5
+            assert r["logprobs/sampling_vs_recomputed_max_abs"] < 1e-4
+            assert "clip_ratio/region_mean" in r and "grad_norm" in r
+        if objective == "tepo" and not r["dynamic_sampling/skipped"]:
+            assert "kl_mask/frac" in r
+    assert "eval/accuracy" in rows[-1] and "eval/pass@2" in rows[-1]
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert summary["final_accuracy"] == rows[-1]["eval/accuracy"]
+    assert os.path.exists(os.path.join(out, "checkpoint.pt"))
+
+
+def test_some_micro_step_really_updates(workdir):
+    """The micro warm-up gives mixed rewards, so the update path (not just the skip) is exercised."""
+    out = "runs/e2e_update"
+    run_main([*MICRO, "--objective", "grpo", "--steps", "3", "--out", out, "--no-dynamic-sampling"])
+    rows = read_rows(out)[1:]
+    assert any(r["reward_std"] > 0 for r in rows)
+    assert all("loss" in r for r in rows)
+    assert any(r["on_policy"] < 1 for r in rows)   # 2 mini-batches: after a real update the second is off-policy
+
+
+def test_resume_reproduces_the_uninterrupted_run(workdir):
+    args = [*MICRO, "--objective", "tepo", "--steps", "4", "--eps-low", "0.05", "--eps-high", "0.05"]
+    run_main([*args, "--out", "runs/full"])
+    run_main([*args, "--out", "runs/cut", "--stop-after", "2"])
+    assert not os.path.exists("runs/cut/summary.json")
+    run_main(["--resume", "runs/cut"])
+    full, resumed = without_timing(read_rows("runs/full")), without_timing(read_rows("runs/cut"))
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    assert resumed == full
+    # details.jsonl (TEPO): truncated on resume like metrics.jsonl, then the same rows, floats exactly
+    assert [r["step"] for r in read_details("runs/cut")] == [1, 2, 3, 4]
+    assert read_details("runs/cut") == read_details("runs/full")
+
+
+@pytest.mark.parametrize("objective, overrides", [
+    ("grpo", dict(beta=0.04)), ("dapo", {}), ("dr_grpo", {}), ("gspo", dict(eps_low=0.05, eps_high=0.05)),
+    ("gspo_token", {}), ("ppo", dict(dual_clip_c=3.0)), ("mpo", {}),
+    ("tepo", dict(entropy_criterion="measured", eps_low=0.05, eps_high=0.05))])
+def test_micro_batches_accumulate_to_the_same_optimizer_steps(objective, overrides):
+    """Two optimizer steps (mini-batches of 8 rows) with micro-batches of 2 rows equal the steps
+    without micro-batches: parameters to 1e-6 (float64, plain SGD), losses and rollout statistics too.
+    (Clip-Cov, KL-Cov and TEPO's cov criterion select by batch statistics per micro-batch.)"""
+    from transformers import AutoModelForCausalLM, GPT2Config
+    config = GPT2Config(vocab_size=23, n_embd=16, n_layer=1, n_head=2, n_positions=32, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config).double().eval()
+    batch = hand_batch(23, rows=16, prompt=5, completion=6)
+    adv = torch.randn(16, dtype=F64)
+    keep = torch.ones(16, dtype=torch.bool)
+    results = []
+    for micro in (0, 2):
+        model = copy.deepcopy(base)
+        ref = copy.deepcopy(base).requires_grad_(False) if tepo.needs_ref(objective, cfg(objective, **overrides)) \
+            else None
+        args = ts.Args(group_size=4, prompts_per_step=4, mini_batches=2, micro_batch_size=micro, max_new_tokens=6,
+                       entropy_check_rows=4, temperature=0.9)
+        run = micro_run(model, None, args, objective, ref_model=ref, **overrides)
+        run.optimizer = torch.optim.SGD(model.parameters(), lr=0.5)   # unlike Adam, sensitive to the gradient's scale
+        torch.manual_seed(1)
+        plan = ts.minibatch_plan(keep, args)
+        assert [len(mb) for mb in plan] == ([1, 1] if micro == 0 else [4, 4])
+        stats = ts.rollout_statistics(run, batch, adv, plan)
+        metrics = ts.update_policy(run, batch, stats, adv, plan)
+        results.append((torch.cat([p.detach().flatten() for p in model.parameters()]), metrics, stats))
+    (p0, m0, s0), (p2, m2, s2) = results
+    assert_close(p2, p0, atol=1e-6, rtol=0)
+    assert (p2 - torch.cat([p.flatten() for p in base.parameters()])).abs().max() > 1e-4   # it did move
+    assert_close(s2["old_logp"], s0["old_logp"], atol=1e-12)
+    for key in ("loss", "pg_loss", "kl_loss", "ratio/min", "ratio/max", "grad_norm"):
+        assert m2[key] == pytest.approx(m0[key], abs=1e-9), key
+
+
+@pytest.mark.parametrize("objective", ["tepo", "grpo", "gspo", "mpo"])
+def test_the_whole_loop_runs_in_bf16_on_the_cpu(objective, workdir):
+    """--precision bf16 (CPU autocast): the loop runs, the first mini-batch is still exactly
+    on-policy (same rows, same forward), and the logged noise floor of bf16 is above 0."""
+    run_main([*MICRO, "--objective", objective, "--steps", "2", "--precision", "bf16",
+              "--out", f"runs/bf16_{objective}"])
+    rows = read_rows(f"runs/bf16_{objective}")[1:]
+    updated = [r for r in rows if not r["dynamic_sampling/skipped"]]    # DAPO's filter may skip a step
+    assert updated and all(math.isfinite(r["loss"]) for r in updated)
+    assert all(r["logprobs/first_minibatch_max_abs_log_ratio"] == 0.0 for r in updated)
+    assert all(r["precision/logp_error_max"] > 1e-4 for r in rows)
+    assert all(r["precision/logp_error_mean"] <= r["precision/logp_error_max"] for r in rows)
+    fp32 = read_rows("runs/full")[1] if os.path.exists("runs/full") else None
+    if fp32 is not None:
+        assert fp32["precision/logp_error_max"] == 0.0
+
+
+def test_entropy_check_every_n_steps_changes_nothing_else(workdir):
+    run_main([*MICRO, "--objective", "grpo", "--steps", "3", "--out", "runs/check_every_1", "--no-dynamic-sampling"])
+    run_main([*MICRO, "--objective", "grpo", "--steps", "3", "--out", "runs/check_every_2", "--no-dynamic-sampling",
+              "--entropy-check-every", "2"])
+    every, second = read_rows("runs/check_every_1"), read_rows("runs/check_every_2")
+    checked = [r["step"] for r in second if "entropy_change/predicted" in r]
+    assert checked == [2]
+    check_keys = ("entropy_change/",)
+    assert [{k: v for k, v in r.items() if not k.startswith(check_keys)} for r in without_timing(second)] == \
+        [{k: v for k, v in r.items() if not k.startswith(check_keys)} for r in without_timing(every)]
+    assert second[2]["entropy_change/measured"] == every[2]["entropy_change/measured"]
+
+
+def test_evaluate_reports_pass_at_k_of_each_problems_samples(monkeypatch):
+    """evaluate with generation replaced by a known pattern: problem i's greedy answer is right when
+    i is even, and c_i = i % 5 of its K = 4 samples are right; chunks of 6 rows cut across problems."""
+    import datasets
+    problems, k = 11, 4
+    test = datasets.Dataset.from_list([{"question": f"q{i}", "answer": f"#### {i}"} for i in range(problems)])
+
+    def generate(model, tokenizer, questions, group_size, args, device, greedy=False):
+        return {"questions": questions, "group_size": group_size, "greedy": greedy}
+
+    def decode(tokenizer, batch):
+        texts = []
+        for q in batch["questions"]:
+            i = int(q[1:])
+            for j in range(batch["group_size"]):
+                right = i % 2 == 0 if batch["greedy"] else j < i % 5
+                texts.append(f"#### {i}" if right else "#### 999")
+        return texts
+
+    monkeypatch.setattr(ts, "generate_group", generate)
+    monkeypatch.setattr(ts, "decode", decode)
+    args = ts.Args(pass_k=k, pass_k_problems=9, prompts_per_step=3, group_size=2)
+    got = ts.evaluate(None, None, test, args, torch.device("cpu"))
+    assert got["eval/accuracy"] == pytest.approx(6 / 11)
+    counts = [i % 5 for i in range(9)]
+    for kk in (1, 2, 4):
+        expected = sum(brute_force_pass_at_k(k, c, kk) for c in counts) / 9
+        assert got[f"eval/pass@{kk}"] == pytest.approx(expected)
+    assert got["eval/mean@4"] == pytest.approx(sum(counts) / 36) == got["eval/pass@1"]
+
+
+def test_run_summary_has_the_auc_and_every_pass_at_k(workdir):
+    out = "runs/cmp/tepo__1"                     # written by the compare test above, or made here
+    if not os.path.exists(os.path.join(out, "summary.json")):
+        run_main([*MICRO, "--objective", "tepo", "--steps", "2", "--out", out])
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    evals = [r for r in read_rows(out) if "eval/accuracy" in r]
+    assert summary["accuracy_auc"] == pytest.approx(accuracy_auc([r["step"] for r in evals],
+                                                                     [r["eval/accuracy"] for r in evals]))
+    for row in evals:                            # K = 2: pass@1 is mean@2, and pass@2 >= pass@1
+        assert row["eval/pass@1"] == pytest.approx(row["eval/mean@2"]) and row["eval/pass@2"] >= row["eval/pass@1"]
+    assert (summary["final_pass@1"], summary["final_pass@2"]) == (evals[-1]["eval/pass@1"], evals[-1]["eval/pass@2"])
