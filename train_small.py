@@ -51,7 +51,6 @@ A script, not a library: nothing imports it (the tests call main(argv) and its f
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -66,8 +65,9 @@ from tqdm.auto import tqdm  # noqa: E402
 
 import tepo  # noqa: E402
 from tepokit import bench, cli, compare, rundir  # noqa: E402
-from tepokit.errors import fail  # noqa: E402
+from tepokit.errors import fail, os_error_line  # noqa: E402
 from tepokit.entropy_check import EntropyCheckPositions, entropy_check  # noqa: E402
+from tepokit.stop import StopSignals, Stopped  # noqa: E402
 from tepokit.forward import (autocast, completion_logits, precision_noise_floor, rows_per_forward,  # noqa: E402
                              token_entropy, token_logprobs)
 from tepokit.kl_mask_log import KLMaskDetails  # noqa: E402
@@ -75,7 +75,7 @@ from tepokit.memory import (check_memory, peak_memory_mb, process_memory_mb, res
                             sampling_check_bytes)
 from tepokit.model import eos_ids_of, load_policy, pick_device, prepare_start_model  # noqa: E402
 from tepokit.stats import pass_at_k, pass_k_values  # noqa: E402
-from tepokit.task import format_prompt, gold_answer, load_task, score_completions  # noqa: E402
+from tepokit.task import format_prompt, gold_answer, load_task, score_completions, task_fingerprint  # noqa: E402
 
 
 # =====================================================================================================
@@ -97,6 +97,7 @@ class Args:
     cache_dir: str = "runs/cache"       # where the warmed-up built-in model is cached (relative: to the current dir)
     dry_run: bool = False               # print the memory plan and exit without loading the model
     force: bool = False                 # run even when the memory plan says it will not fit the device
+    overwrite: bool = False             # replace the run in --out, if it holds one (default: refuse)
     # --- model ---
     model: str | None = None            # causal LM: Hugging Face id or local dir (default: the built-in tiny model)
     trust_remote_code: bool = False     # allow custom model code from the hub
@@ -476,6 +477,8 @@ class Run:
     objective: object                   # tepo.OBJECTIVES[args.objective]
     device: torch.device
     run_dir: str
+    lock: object                        # the run directory's lock, held for the run's lifetime
+    identity: dict                      # objective, model shape, tokenizer, data: checked on --resume
     model: object
     ref_model: object                   # None unless the objective needs one (tepo.needs_ref)
     tokenizer: object
@@ -487,50 +490,53 @@ class Run:
 
 
 def train(args: Args, obj_overrides: dict) -> dict:
-    """One RL run: start (or resume) it, then step, evaluate, log and checkpoint; the summary at the end."""
+    """One RL run: start (or resume) it, then step, evaluate, log and checkpoint; the summary at the end.
+    A stop signal (Ctrl-C, SIGTERM, SIGHUP) finishes the step, checkpoints it and exits (tepokit/stop.py)."""
     t_start = time.time()
     run = start_run(args, obj_overrides)
     args = run.args
     last_step = args.steps if args.stop_after is None else min(args.steps, args.stop_after)
-    bar = tqdm(range(run.first_step, last_step + 1), desc=f"{args.objective} seed {args.seed}", dynamic_ncols=True)
-    interrupted, restore_ctrl_c = rundir.ctrl_c_finishes_the_step(run.run_dir)
-    for step in bar:
-        t0 = time.time()
-        row, details_row = rl_step(run, step)
-        if step % args.eval_every == 0:
-            row.update(evaluate(run.model, run.tokenizer, run.test_set, args, run.device))
-        elif step == args.steps:   # the final evaluation, off the schedule, leaves the RNG as it found it,
-            with torch.random.fork_rng():   # so a run extended later (--resume --steps) equals an uninterrupted one
+    bar = tqdm(range(run.first_step, last_step + 1), initial=run.first_step - 1, total=last_step,
+               desc=f"{args.objective} seed {args.seed}", dynamic_ncols=True)
+    with run.lock, StopSignals(finish_step=True) as stop:
+        for step in bar:
+            t0 = time.time()
+            row, details_row = rl_step(run, step)
+            if step % args.eval_every == 0:
                 row.update(evaluate(run.model, run.tokenizer, run.test_set, args, run.device))
-        row.update({"timing/eval": time.time() - t0 - row["step_time"], "step_time": time.time() - t0,
-                    "perf/peak_memory_mb": peak_memory_mb(run.device)})
-        rundir.append_row(os.path.join(run.run_dir, "metrics.jsonl"), row)
-        if details_row is not None:
-            rundir.append_row(run.details_path, details_row)
-        bar.set_postfix({"reward": f"{row['reward']:.2f}", "H": f"{row['entropy']:.3f}",
-                         **({"eval": f"{row['eval/accuracy']:.3f}"} if "eval/accuracy" in row else {})})
-        if step % args.save_every == 0 or step == last_step or interrupted():
-            rundir.save_checkpoint(run.run_dir, run.model, run.optimizer, step)
-        if interrupted():
-            restore_ctrl_c()
-            bar.close()
-            print(f"interrupted at step {step}; resume with: python train_small.py --resume {run.run_dir}",
-                  file=sys.stderr)
-            raise SystemExit(130)
-    restore_ctrl_c()
-    if last_step < args.steps:     # interrupted on purpose (--stop-after): no summary yet
-        return {"run_dir": run.run_dir, "stopped_at": last_step}
-    rundir.save_pretrained_atomically(run.model.cpu(), run.tokenizer, os.path.join(run.run_dir, "policy"))
-    run.model.to(run.device)
-    rows = rundir.read_log(os.path.join(run.run_dir, "metrics.jsonl"))
-    return rundir.write_summary(run.run_dir, rows, args, time.time() - t_start)
+            elif step == args.steps:   # the final evaluation, off the schedule, leaves the RNG as it found it,
+                with torch.random.fork_rng():   # so a run extended later (--resume --steps) equals an uninterrupted one
+                    row.update(evaluate(run.model, run.tokenizer, run.test_set, args, run.device))
+            row.update({"timing/eval": time.time() - t0 - row["step_time"], "step_time": time.time() - t0,
+                        "perf/peak_memory_mb": peak_memory_mb(run.device)})
+            rundir.append_row(os.path.join(run.run_dir, "metrics.jsonl"), row)
+            if details_row is not None:
+                rundir.append_row(run.details_path, details_row)
+            bar.set_postfix({"reward": f"{row['reward']:.2f}", "H": f"{row['entropy']:.3f}",
+                             **({"eval": f"{row['eval/accuracy']:.3f}"} if "eval/accuracy" in row else {})})
+            if step % args.save_every == 0 or step == last_step or stop.requested:
+                rundir.save_checkpoint(run.run_dir, run.model, run.optimizer, step, run.identity)
+            if stop.requested:         # the safe point: the step is logged and checkpointed
+                bar.close()
+                print(f"{stop.name}: stopped after step {step}; resume with: python train_small.py --resume "
+                      f"{run.run_dir}", file=sys.stderr)
+                raise SystemExit(stop.exit_status)
+        if last_step < args.steps:     # stopped on purpose (--stop-after): no summary yet
+            return {"run_dir": run.run_dir, "stopped_at": last_step}
+        rundir.save_pretrained_atomically(run.model.cpu(), run.tokenizer, os.path.join(run.run_dir, "policy"))
+        run.model.to(run.device)
+        rows = rundir.read_log(os.path.join(run.run_dir, "metrics.jsonl"))
+        return rundir.write_summary(run.run_dir, rows, args, time.time() - t_start)
 
 
 def start_run(args: Args, obj_overrides: dict) -> Run:
     """Load the task and the models, then either resume from the run directory's checkpoint or start
-    afresh: config.json, empty logs, the starting model's evaluation (step 0) and checkpoint 0."""
+    afresh: config.json, empty logs, the starting model's evaluation (step 0) and checkpoint 0.
+    The run directory is locked before anything in it changes: at once when resuming, when it is created
+    for a new run (after everything has loaded, so a failed load leaves nothing behind)."""
     torch.set_num_threads(args.threads)
     resume_dir = args.resume
+    lock = rundir.claim_run_dir(resume_dir, resume=True) if resume_dir else None
     args, obj_overrides = cli.resumed_args(args, obj_overrides)
     device = pick_device(args)
     cfg = cli.objective_config(args, obj_overrides)
@@ -546,8 +552,13 @@ def start_run(args: Args, obj_overrides: dict) -> Run:
     ref_model = None
     if tepo.needs_ref(args.objective, cfg):
         ref_model = load_policy(start_model, args, device)[0].requires_grad_(False)
+    identity = rundir.run_identity(args.objective, model, tokenizer, task_fingerprint(task))
+    if resume_dir:                     # still nothing changed: the run must be the one that was saved
+        rundir.check_same_run(resume_dir, identity)
+    else:
+        lock = rundir.claim_run_dir(run_dir, resume=False, overwrite=args.overwrite)
     run = Run(args=args, cfg=cfg, objective=tepo.OBJECTIVES[args.objective], device=device, run_dir=run_dir,
-              model=model, ref_model=ref_model, tokenizer=tokenizer,
+              lock=lock, identity=identity, model=model, ref_model=ref_model, tokenizer=tokenizer,
               optimizer=torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.999)),
               train_set=task["train"], test_set=task["test"].select(range(min(args.n_test, len(task["test"])))),
               first_step=1, details_path=os.path.join(run_dir, "details.jsonl") if args.objective == "tepo" else None)
@@ -562,17 +573,15 @@ def start_run(args: Args, obj_overrides: dict) -> Run:
         for path in logs:
             rundir.truncate_log(path, run.first_step)
     else:
-        os.makedirs(run_dir, exist_ok=True)
         config = {"args": dataclasses.asdict(args), "objective_overrides": obj_overrides,
-                  "objective_config": dataclasses.asdict(cfg),
+                  "objective_config": dataclasses.asdict(cfg), "identity": identity,
                   "start_model": start_model, "needs_ref": ref_model is not None}
-        rundir.write_atomically(os.path.join(run_dir, "config.json"),
-                                lambda f: f.write(json.dumps(config, indent=2).encode()))
+        rundir.write_json(os.path.join(run_dir, "config.json"), config)
         for path in logs:
             open(path, "w").close()
         rundir.append_row(logs[0], {"step": 0, **evaluate(model, tokenizer, run.test_set, args, device),
                                     "memory/process_before_model_mb": memory_before_model})
-        rundir.save_checkpoint(run_dir, model, run.optimizer, 0)
+        rundir.save_checkpoint(run_dir, model, run.optimizer, 0, identity)
     return run
 
 
@@ -586,26 +595,29 @@ def dry_run(args: Args, obj_overrides: dict) -> None:
 
 def main(argv=None) -> int:
     args, obj_overrides = cli.parse_args(Args, argv)
-    if args.dry_run:
-        dry_run(args, obj_overrides)
-    elif args.bench:              # our step against TRL's GRPOTrainer on the same work (tepokit/bench.py)
-        bench.benchmark(args, obj_overrides, train)
-    elif args.compare:            # several objectives x seeds, paired by seed (tepokit/compare.py)
-        compare.compare_objectives(args, obj_overrides, train)
-    elif args.engine == "trl":    # the same objective inside TRL's GRPOTrainer (tepokit/tepo_trl.py; needs trl)
-        try:
-            from tepokit import tepo_trl
-        except ImportError as e:
-            fail(f"argument --engine: 'trl' needs TRL ({e}); pip install 'trl>=1.16,<1.17' or choose --engine tepo")
-        tepo_trl.train(args, obj_overrides, evaluate)
-    else:
-        train(args, obj_overrides)
+    with StopSignals():           # until the RL loop takes over: a stop signal ends the program at once
+        if args.dry_run:
+            dry_run(args, obj_overrides)
+        elif args.bench:          # our step against TRL's GRPOTrainer on the same work (tepokit/bench.py)
+            bench.benchmark(args, obj_overrides, train)
+        elif args.compare:        # several objectives x seeds, paired by seed (tepokit/compare.py)
+            compare.compare_objectives(args, obj_overrides, train)
+        elif args.engine == "trl":    # the same objective inside TRL's GRPOTrainer (tepokit/tepo_trl.py; needs trl)
+            try:
+                from tepokit import tepo_trl
+            except ImportError as e:
+                fail(f"argument --engine: 'trl' needs TRL ({e}); pip install 'trl>=1.16,<1.17' or choose --engine tepo")
+            tepo_trl.train(args, obj_overrides, evaluate)
+        else:
+            train(args, obj_overrides)
     return 0
 
 
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except KeyboardInterrupt:      # Ctrl-C before the RL loop (the loop handles its own)
-        print("train_small.py: interrupted before the first RL step", file=sys.stderr)
-        sys.exit(130)
+    except Stopped as e:          # before the first RL step, or a second signal: the last checkpoint stands
+        print(f"train_small.py: {e.name}: stopped; nothing after the last checkpoint is kept", file=sys.stderr)
+        sys.exit(e.exit_status)
+    except OSError as e:          # the disk, the file system, the permissions: one line, and what to do
+        fail(os_error_line(e))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 
@@ -12,7 +11,7 @@ import torch
 from tepokit.errors import fail
 from tepokit.memory import peak_memory_mb
 from tepokit.model import pick_device, prepare_start_model
-from tepokit.rundir import read_log
+from tepokit.rundir import read_log, write_json
 from tepokit.task import format_prompt, gold_answer, load_task, parse_strict
 
 def benchmark(args, obj_overrides: dict, train) -> None:
@@ -44,7 +43,7 @@ def benchmark(args, obj_overrides: dict, train) -> None:
     print("trl GRPOTrainer: " + ", ".join(f"{k} {v:.3f}" for k, v in result["trl"].items()))
     result["speedup"] = result["trl"]["step_time"] / ours["step_time"]
     print(f"our step is {result['speedup']:.2f}x the speed of TRL's")
-    json.dump(result, open(os.path.join(out, "bench.json"), "w"), indent=2)
+    write_json(os.path.join(out, "bench.json"), result)
 
 
 def bench_trl(args, out: str, n: int) -> dict:

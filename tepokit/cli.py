@@ -17,12 +17,12 @@ import torch
 import tepo
 from tepokit.errors import fail, warn
 from tepokit.forward import rows_per_minibatch
-from tepokit.rundir import check_resumable
+from tepokit.rundir import check_resumable, holds_a_run, lock_holder
 from tepokit.task import arithmetic_task_size
 
 # Fields of Args that only say how to run, not what is computed: they are not compared on resume.
 RUN_ONLY_FIELDS = ("resume", "stop_after", "compare", "seeds", "baseline", "bench", "bench_steps", "out", "threads",
-                   "cache_dir", "dry_run", "force")
+                   "cache_dir", "dry_run", "force", "overwrite")
 
 
 @functools.cache      # reading the source is slow, and parse_args runs it for every command line
@@ -65,6 +65,21 @@ def one_of(choices) -> tuple:
 
 def path(what: str, ok) -> tuple:
     return what, lambda v: v != "" and ok(os.path.expanduser(v)), None
+
+
+WRITABLE = ("a directory path you can create or write to (its nearest existing parent a writable directory, "
+            "no part of it a regular file, no name in it over 255 bytes)")
+
+
+def writable_location(p: str) -> bool:
+    """Whether a run can create and write directory `p`: checked before anything is created, so that a
+    path below a regular file, in a read-only place or with a name too long fails in one line, not later."""
+    p = os.path.abspath(p)
+    if any(len(part.encode()) > 255 for part in p.split(os.sep)):
+        return False
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    return os.path.isdir(p) and os.access(p, os.W_OK | os.X_OK)
 
 
 def hub_id_or_local(v: str) -> bool:
@@ -124,14 +139,14 @@ VALID: dict[str, tuple] = {
     "objective": one_of(sorted(tepo.OBJECTIVES)),
     "regime": one_of(["standard", "collapse"]),
     "seed": at_least(0),
-    "out": path("a directory path (not an existing file)", lambda p: not os.path.isfile(p)),
+    "out": path(WRITABLE, writable_location),
     "device": one_of(["auto", "cpu", "cuda"]),
     "threads": (f"an integer in 1..{os.cpu_count()} (this machine's cores)",
                 lambda v: 1 <= v <= (os.cpu_count() or 1), None),
     "steps": at_least(1),
     "save_every": at_least(1),
     "engine": one_of(["tepo", "trl"]),
-    "cache_dir": path("a directory path (not an existing file)", lambda p: not os.path.isfile(p)),
+    "cache_dir": path(WRITABLE, writable_location),
     # --- model ---
     "model": path("a Hugging Face id (name or org/name) or an existing local directory", hub_id_or_local),
     "arch": one_of(["gpt2", "qwen2"]),
@@ -221,9 +236,9 @@ RELATIONS = [
     ("resume", "a run directory alone: --resume cannot be combined with --compare or --bench",
      lambda a: a.resume is None or not (a.compare or a.bench)),
     ("bench", "off with --compare (one mode at a time)", lambda a: not (a.bench and a.compare)),
-    ("out", "a directory that holds no run yet; continue the run in it with --resume {out}",
-     lambda a: a.resume or a.compare or a.bench or a.out is None
-     or not os.path.exists(os.path.join(a.out, "checkpoint.pt"))),
+    ("out", "a directory that holds no run yet; continue the run in it with --resume {out}, or add --overwrite "
+     "to replace it", lambda a: a.resume or a.compare or a.bench or a.out is None or a.overwrite
+     or not holds_a_run(a.out)),
 ]
 
 
@@ -404,9 +419,14 @@ def parse_args(Args, argv=None) -> tuple:
         args = dataclasses.replace(args, **{k: v for k, v in REGIMES[args.regime].items() if k not in given})
     obj_overrides = {k: v for k, v in given.items() if k not in Args.__dataclass_fields__}
     if args.resume:
-        saved, checkpoint_step = check_resumable(args.resume, Args)
+        saved, checkpoint_step = check_resumable(args.resume, Args, RUN_ONLY_FIELDS)
         args, obj_overrides = resume_args(args, obj_overrides, set(given), saved, checkpoint_step)
     check_values(args, obj_overrides)
+    for run_dir in {args.out, args.resume} - {None}:       # a live run's directory is refused at once
+        holder = lock_holder(run_dir)
+        if holder:
+            fail(f"{run_dir} is in use by process {holder}, a run that is still going; wait for it to end, or "
+                 "choose another --out")
     if not args.resume:
         warn_ignored(args, obj_overrides)
     return args, obj_overrides
@@ -458,5 +478,5 @@ def resumed_args(args, obj_overrides: dict) -> tuple:
     already refused flags that would change the run; compare_objectives() resumes its runs without flags)."""
     if not args.resume:
         return args, obj_overrides
-    saved, checkpoint_step = check_resumable(args.resume, type(args))
+    saved, checkpoint_step = check_resumable(args.resume, type(args), RUN_ONLY_FIELDS)
     return resume_args(args, obj_overrides, {"steps"}, saved, checkpoint_step)

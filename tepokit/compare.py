@@ -9,7 +9,7 @@ import os
 import time
 
 from tepokit.cli import compare_entries
-from tepokit.rundir import read_log, write_summary
+from tepokit.rundir import read_log, write_atomically, write_json, write_summary
 from tepokit.stats import t_interval
 
 def compare_objectives(args, obj_overrides: dict, train) -> None:
@@ -37,10 +37,11 @@ def compare_objectives(args, obj_overrides: dict, train) -> None:
                 summary = train(run, {**obj_overrides, **overrides})
             results.setdefault(name, []).append(summary)
     table, paired = objective_means(results, args), paired_differences(results, args)
-    json.dump({"seeds": seeds, "baseline": args.baseline, "target_accuracy": args.target_accuracy,
-               "objectives": table, "paired": paired}, open(os.path.join(out, "summary.json"), "w"), indent=2)
+    write_json(os.path.join(out, "summary.json"), {"seeds": seeds, "baseline": args.baseline,
+                                                   "target_accuracy": args.target_accuracy, "objectives": table,
+                                                   "paired": paired})
     lines = [*objective_table(table, args), "", *paired_table(paired, args, seeds)]
-    open(os.path.join(out, "summary.md"), "w").write("\n".join(lines) + "\n")
+    write_atomically(os.path.join(out, "summary.md"), lambda f: f.write(("\n".join(lines) + "\n").encode()))
     print("\n".join(lines))
 
 

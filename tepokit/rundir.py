@@ -1,15 +1,17 @@
-"""The run directory: seeds and RNG state, atomic writes, checkpoints, the metrics logs, summary.json,
-the checks before --resume, and Ctrl-C that finishes the step."""
+"""The run directory: its lock, seeds and RNG state, atomic writes in strict JSON, checkpoints, the metrics
+logs, summary.json, and the checks before --resume (nothing is changed until they pass)."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import hashlib
 import json
 import math
 import os
 import random
+import re
 import shutil
-import signal
-import sys
 import tempfile
 import time
 import zipfile
@@ -20,66 +22,236 @@ import tepo
 from tepokit.errors import fail, first_line
 from tepokit.stats import accuracy_auc, pearson
 
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)          # also seeds CUDA; generation samples from this generator
 
 
-def check_resumable(run_dir: str, Args) -> tuple[dict, int]:
+# ---- the run directory's lock: one process owns a run directory for its lifetime -------------------------
+# An OS file lock (fcntl.flock) on <run dir>/.lock: the kernel drops it when the process ends, however it
+# ends (kill -9 too), so a dead run never leaves a stale lock. The file holds the owner's process id, so a
+# refusal can name it.
+LOCK_FILE = ".lock"
+RUN_FILES = ("config.json", "metrics.jsonl", "details.jsonl", "checkpoint.pt", "summary.json")
+
+
+def holds_a_run(run_dir: str) -> bool:
+    """Whether a directory holds a run, finished or interrupted (any file a run writes)."""
+    return any(os.path.exists(os.path.join(run_dir, name)) for name in RUN_FILES)
+
+
+def lock_file(path: str, what: str, wait: bool = False):
+    """Take the OS lock of `path` (created if needed) and write our process id into it; returns the open
+    file, which holds the lock until it is closed or the process ends. If another process holds it:
+    wait for it (wait=True, for caches) or refuse in one line naming that process and `what` it guards."""
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        owner = f.read().strip() or "another process"
+        if not wait:
+            f.close()
+            fail(f"{what} is in use by process {owner} (it holds {path}); wait for it to end, or choose another "
+                 "directory")
+        print(f"waiting for process {owner}, which is writing {what}", flush=True)
+        fcntl.flock(f, fcntl.LOCK_EX)
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def claim_run_dir(run_dir: str, resume: bool, overwrite: bool = False):
+    """Make `run_dir` this process's for its lifetime: create it, take its lock, and refuse (one line) a
+    directory that holds a finished or interrupted run unless resuming it or told to --overwrite it (then
+    the old run's files are removed, under the lock). Returns the lock; closing it releases the directory."""
+    os.makedirs(run_dir, exist_ok=True)
+    lock = lock_file(os.path.join(run_dir, LOCK_FILE), f"run directory {run_dir}")
+    if not resume and holds_a_run(run_dir):
+        if not overwrite:
+            lock.close()
+            fail(f"argument --out: {run_dir} holds a run already; continue it with --resume {run_dir}, choose "
+                 "another --out, or add --overwrite to replace it")
+        for name in [*RUN_FILES, "policy"]:
+            target = os.path.join(run_dir, name)
+            if os.path.isdir(target):
+                shutil.rmtree(target)
+            elif os.path.exists(target):
+                os.remove(target)
+    return lock
+
+
+# ---- strict JSON: every file the project writes parses with a strict parser ---------------------------
+def strict(value):
+    """`value` with every NaN and infinity replaced by None (null): JSON has no NaN, and strict parsers
+    (JavaScript, jq, Go) reject a file that holds one."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(v) for v in value]
+    return value
+
+
+def to_json(value, **kwargs) -> str:
+    return json.dumps(strict(value), allow_nan=False, **kwargs)
+
+
+def write_json(path: str, value) -> None:
+    """A JSON file, strict and written atomically."""
+    write_atomically(path, lambda f: f.write((to_json(value, indent=2) + "\n").encode()))
+
+
+def fingerprint(value) -> str:
+    """A short hash of any JSON-able value."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def run_identity(objective: str, model, tokenizer, data: str) -> dict:
+    """What a checkpoint must agree with to be resumed: the objective, the model's shape (each parameter's
+    name and shape), the tokenizer (its vocabulary) and the data set (`data`, its content hash). Written to
+    config.json and into every checkpoint."""
+    return {"objective": objective,
+            "model_shape": fingerprint(sorted((k, list(v.shape)) for k, v in model.state_dict().items())),
+            "tokenizer": fingerprint(sorted(tokenizer.get_vocab().items())), "data": data}
+
+
+def check_resumable(run_dir: str, Args, run_only: tuple) -> tuple[dict, int]:
     """(saved config.json, step of checkpoint.pt) of a run directory that --resume can continue.
-    Otherwise one line saying why not. Only reads: nothing on disk changes either way."""
+    Otherwise one line saying why not. Only reads: nothing on disk changes either way.
+
+    Checked: config.json holds every setting the run needs (all of Args but the `run_only` ones, which
+    come from the command line) and no unknown one; checkpoint.pt is whole and was written by this run
+    (its identity: objective, model shape, tokenizer, data, equals config.json's); metrics.jsonl (and
+    details.jsonl for TEPO) has one row per step from the start up to the checkpoint."""
     config_path, ckpt_path = os.path.join(run_dir, "config.json"), os.path.join(run_dir, "checkpoint.pt")
+    cannot = "the run cannot be resumed (nothing was changed)"
     if not os.path.isfile(config_path):
         fail(f"argument --resume: {run_dir!r} has no config.json; give a run directory of train_small.py")
     try:
         with open(config_path) as f:
             saved = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        fail(f"argument --resume: {config_path} is damaged ({type(e).__name__}: {first_line(e)}); "
-             "the run cannot be resumed (nothing was changed)")
+        fail(f"argument --resume: {config_path} is damaged ({type(e).__name__}: {first_line(e)}); {cannot}")
     if not (isinstance(saved, dict) and isinstance(saved.get("args"), dict)
             and isinstance(saved.get("objective_overrides"), dict)):
         fail(f"argument --resume: {config_path} is not a run configuration of train_small.py "
-             "(it needs args and objective_overrides); the run cannot be resumed (nothing was changed)")
+             f"(it needs args and objective_overrides); {cannot}")
     unknown = sorted(set(saved["args"]) - set(Args.__dataclass_fields__)
                      | set(saved["objective_overrides"]) - set(tepo.ObjectiveConfig.__dataclass_fields__))
     if unknown:
         fail(f"argument --resume: {config_path} has settings this version of train_small.py does not know "
-             f"({', '.join(unknown)}); the run cannot be resumed (nothing was changed)")
+             f"({', '.join(unknown)}); {cannot}")
+    missing = sorted(set(Args.__dataclass_fields__) - set(run_only) - set(saved["args"]))
+    if missing:
+        fail(f"argument --resume: {config_path} lacks settings the run needs ({', '.join(missing)}); {cannot}")
+    if not isinstance(saved.get("identity"), dict):
+        fail(f"argument --resume: {config_path} does not record the run's model, tokenizer and data (it was "
+             f"written by an older version of train_small.py); {cannot}")
+    if saved["args"].get("engine") == "trl":       # TRL's own checkpoints; its trainer state holds the logs
+        return saved, check_trl_checkpoint(run_dir, saved)
     if not os.path.isfile(ckpt_path):
         fail(f"argument --resume: {run_dir!r} has no checkpoint.pt: the run stopped before its first "
-             "checkpoint; start it again without --resume (nothing was changed)")
+             f"checkpoint; start it again with --out {run_dir} --overwrite (nothing was changed)")
     try:      # the zip checksums catch damaged tensor data; the load (memory-mapped) the rest
         with zipfile.ZipFile(ckpt_path) as z:
             damaged_member = z.testzip()
         if damaged_member is not None:
             raise ValueError(f"checksum mismatch in {damaged_member}")
-        step = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)["step"]
+        checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+        step, identity = int(checkpoint["step"]), checkpoint.get("identity") or {}
     except Exception as e:  # noqa: BLE001 -- whatever is wrong with the file, the answer is one line
-        fail(f"argument --resume: {ckpt_path} is damaged ({type(e).__name__}: {first_line(e)}); "
-             "the run cannot be resumed (nothing was changed)")
-    return saved, int(step)
+        fail(f"argument --resume: {ckpt_path} is damaged ({type(e).__name__}: {first_line(e)}); {cannot}")
+    differ = [key for key, value in saved["identity"].items() if identity.get(key) != value]
+    if differ:
+        fail(f"argument --resume: {ckpt_path} was not written by the run of {config_path}: its "
+             f"{' and '.join(differ)} differ; {cannot}")
+    check_log(os.path.join(run_dir, "metrics.jsonl"), 0, step)
+    if saved["args"]["objective"] == "tepo":
+        check_log(os.path.join(run_dir, "details.jsonl"), 1, step)
+    return saved, step
 
 
-def ctrl_c_finishes_the_step(run_dir: str):
-    """Make Ctrl-C (SIGINT) stop the RL loop cleanly. Returns (interrupted, restore): interrupted()
-    says whether Ctrl-C was pressed; the loop then finishes the step, logs and checkpoints it, and
-    exits with status 130. A second Ctrl-C aborts at once (the run resumes from its last checkpoint).
-    restore() puts the previous handler back."""
-    pressed = []
+def newest_trl_checkpoint(run_dir: str) -> tuple[str, int] | None:
+    """(path, optimizer step) of TRL's newest checkpoint-<optimizer step> directory in a run directory."""
+    steps = [int(m[1]) for name in (os.listdir(run_dir) if os.path.isdir(run_dir) else [])
+             if (m := re.fullmatch(r"checkpoint-(\d+)", name))]
+    return (os.path.join(run_dir, f"checkpoint-{max(steps)}"), max(steps)) if steps else None
 
-    def handler(signum, frame):
-        if pressed:
-            print(f"aborted; resume from the last checkpoint with: python train_small.py --resume {run_dir}",
-                  file=sys.stderr)
-            raise SystemExit(130)
-        pressed.append(signum)
 
+def check_trl_checkpoint(run_dir: str, saved: dict) -> int:
+    """The RL step of an --engine trl run's newest checkpoint, after the same checks as checkpoint.pt's:
+    it exists, it was written by this run (its identity.json equals config.json's), and metrics.jsonl
+    holds the start model's evaluation (the rest of the log is in TRL's trainer state)."""
+    cannot = "the run cannot be resumed (nothing was changed)"
+    newest = newest_trl_checkpoint(run_dir)
+    if newest is None:
+        fail(f"argument --resume: {run_dir!r} has no checkpoint-* directory: the run stopped before its first "
+             f"checkpoint; start it again with --out {run_dir} --overwrite (nothing was changed)")
+    path, optimizer_step = newest
     try:
-        previous = signal.signal(signal.SIGINT, handler)
-    except ValueError:                 # not the main thread: Ctrl-C keeps its usual meaning
-        return (lambda: False), (lambda: None)
-    return (lambda: bool(pressed)), (lambda: signal.signal(signal.SIGINT, previous))
+        with open(os.path.join(path, "identity.json")) as f:
+            identity = json.load(f)
+    except (OSError, ValueError) as e:
+        fail(f"argument --resume: {path} does not record the run's identity ({type(e).__name__}: "
+             f"{first_line(e)}); {cannot}")
+    differ = [key for key, value in saved["identity"].items() if identity.get(key) != value]
+    if differ:
+        fail(f"argument --resume: {path} was not written by the run of {run_dir}: its {' and '.join(differ)} "
+             f"differ; {cannot}")
+    check_log(os.path.join(run_dir, "metrics.jsonl"), 0, 0)
+    return optimizer_step // (saved["args"]["mini_batches"] * saved["args"]["epochs"])
+
+
+def check_same_run(run_dir: str, identity: dict) -> None:
+    """After loading, before anything changes: the model, tokenizer and data the resumed run has loaded
+    must be the ones the run started with (config.json's identity); an edited data set or start model is
+    refused in one line that names what changed."""
+    with open(os.path.join(run_dir, "config.json")) as f:
+        saved = json.load(f)["identity"]
+    differ = [key for key, value in saved.items() if identity.get(key) != value]
+    if differ:
+        fail(f"argument --resume: the {' and '.join(differ)} loaded now differ from the ones {run_dir} started "
+             "with (was the data set or the start model changed?); the run cannot be resumed (nothing was changed)")
+
+
+def lock_holder(run_dir: str) -> str | None:
+    """The process id that holds a run directory's lock, or None; only looks (creates nothing)."""
+    path = os.path.join(run_dir, LOCK_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read().strip() or "another process"
+    return None
+
+
+def check_log(path: str, first_step: int, checkpoint_step: int) -> int:
+    """A log --resume can continue: every row a JSON object with an integer step, the steps first_step,
+    first_step + 1, ... with no gap and no repeat, up to at least the checkpoint's step. Returns how many
+    rows lie after the checkpoint (the resumed run computes them again). Otherwise one line; only reads."""
+    cannot = "the run cannot be resumed (nothing was changed)"
+    if not os.path.isfile(path):
+        fail(f"argument --resume: {path} is missing; without it the run's record is incomplete; {cannot}")
+    rows = read_log(path)
+    for number, row in enumerate(rows, 1):
+        if not (isinstance(row, dict) and type(row.get("step")) is int):
+            fail(f"argument --resume: {path}, line {number}: {json.dumps(row)[:60]} is not the row of a step (an "
+                 f"object with an integer step); {cannot}")
+        if row["step"] != first_step + number - 1:
+            fail(f"argument --resume: {path}, line {number}: step {row['step']} where step "
+                 f"{first_step + number - 1} was expected (each step has one row, in order); {cannot}")
+    last = first_step + len(rows) - 1
+    if last < checkpoint_step:
+        fail(f"argument --resume: {path} ends at step {last} but checkpoint.pt is at step {checkpoint_step}: "
+             f"steps are missing from the log; {cannot}")
+    return last - checkpoint_step
 
 
 def save_pretrained_atomically(model, tokenizer, final_dir: str) -> None:
@@ -87,8 +259,15 @@ def save_pretrained_atomically(model, tokenizer, final_dir: str) -> None:
     parent = os.path.dirname(final_dir) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=parent, prefix=".tmp-")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    except BaseException as e:         # nothing half-written stays; a failed write is an OSError (one line)
+        shutil.rmtree(tmp, ignore_errors=True)
+        code = re.search(r"os error (\d+)", str(e))     # safetensors reports the OS's error in its own type
+        if code and not isinstance(e, OSError):
+            raise OSError(int(code[1]), first_line(e), final_dir) from e
+        raise
     if os.path.isdir(final_dir):       # someone else finished first, or an old copy: replace it
         shutil.rmtree(final_dir)
     os.replace(tmp, final_dir)
@@ -126,27 +305,36 @@ def write_atomically(path: str, write) -> None:
         raise
 
 
-def save_checkpoint(run_dir: str, model, optimizer, step: int) -> None:
-    """model, optimizer, RNG states and step, in checkpoint.pt, written atomically (write_atomically).
-    For the kill tests only: TEPO_TEST_CHECKPOINT_SLEEP=<seconds> sleeps after writing the temp file
-    and before replacing checkpoint.pt, so that a test can kill the process in the middle of a write."""
+def save_checkpoint(run_dir: str, model, optimizer, step: int, identity: dict) -> None:
+    """model, optimizer, RNG states, step and the run's identity (run_identity), in checkpoint.pt, written
+    atomically (write_atomically): if the write fails (a full disk, a file-size limit), the previous
+    checkpoint is still there, whole. For the kill tests only: TEPO_TEST_CHECKPOINT_SLEEP=<seconds> sleeps
+    after writing the temp file and before replacing checkpoint.pt, so that a test can kill the process in
+    the middle of a write."""
+    path = os.path.join(run_dir, "checkpoint.pt")
+
     def write(f):
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng_state(),
-                    "step": step}, f)
+        try:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng_state(),
+                        "step": step, "identity": identity}, f)
+        except RuntimeError as e:     # torch reports a failed write ("PytorchStreamWriter failed writing file")
+            raise OSError(errno.EIO, f"the write failed ({first_line(e)}): is the disk full?", path) from e
         time.sleep(float(os.environ.get("TEPO_TEST_CHECKPOINT_SLEEP", 0)))
-    write_atomically(os.path.join(run_dir, "checkpoint.pt"), write)
+    write_atomically(path, write)
 
 
 def append_row(path: str, row: dict) -> None:
     """One JSON row at the end of a .jsonl log, flushed: an interrupted run keeps every finished step."""
     with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
+        f.write(to_json(row) + "\n")
         f.flush()
 
 
 def read_log(path: str) -> list[dict]:
     """The rows of a .jsonl log (none if it does not exist yet). A last line without its newline is a
-    row whose write was cut off (kill -9): it is left out. Any other bad line is reported in one line."""
+    row whose write was cut off (kill -9): it is left out. Any other bad line is reported in one line.
+    A metric written as null (how strict JSON writes NaN) is read back as NaN; `sample` (details.jsonl)
+    stays None."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
@@ -154,18 +342,25 @@ def read_log(path: str) -> list[dict]:
     rows = []
     for number, line in enumerate(lines, 1):
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError as e:
             fail(f"{path}, line {number}: not a JSON row ({e.msg}, column {e.colno}); the log is damaged")
+        if isinstance(row, dict):
+            row = {k: math.nan if v is None and k != "sample" else v for k, v in row.items()}
+        rows.append(row)
     return rows
 
 
 def truncate_log(path: str, first_step: int) -> None:
     """On resume: keep a log's whole rows from before the checkpoint's next step (step < first_step),
-    dropping later rows and a cut-off last line; rewritten atomically, so a resumed log never holds a
-    half-written line or a step twice."""
-    rows = [r for r in read_log(path) if r["step"] < first_step]
-    write_atomically(path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in rows).encode()))
+    dropping later rows (said in one line) and a cut-off last line; rewritten atomically, so a resumed log
+    never holds a half-written line or a step twice."""
+    rows = read_log(path)
+    kept = [r for r in rows if r["step"] < first_step]
+    if len(kept) < len(rows):
+        print(f"{os.path.basename(path)}: {len(rows) - len(kept)} row(s) after step {first_step - 1}, the "
+              "checkpoint's step, are dropped; the resumed run computes them again")
+    write_atomically(path, lambda f: f.write("".join(to_json(r) + "\n" for r in kept).encode()))
 
 
 def run_name(args) -> str:
@@ -198,7 +393,9 @@ def write_summary(run_dir: str, rows: list[dict], args, wall: float) -> dict:
         "entropy_change_position_corr_median": position_corrs[len(position_corrs) // 2] if position_corrs else None,
         "wall_seconds": wall,
     }
-    json.dump(summary, open(os.path.join(run_dir, "summary.json"), "w"), indent=2)
+    if not math.isfinite(summary["entropy_change_correlation"]):       # null in the file: say why
+        summary["entropy_change_correlation_missing"] = "fewer than 3 steps with a finite entropy check"
+    write_json(os.path.join(run_dir, "summary.json"), summary)
     print(f"held-out accuracy {summary['start_accuracy']:.3f} -> {summary['final_accuracy']:.3f} "
           f"({summary['gain_points']:+.1f} points, {summary['accuracy_auc']:.3f} averaged over the run); "
           f"sampled (T={args.temperature}) {summary['start_sampled_accuracy']:.3f} -> "

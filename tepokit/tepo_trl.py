@@ -13,11 +13,6 @@ tepo.aggregate_loss), plus the one input TRL does not compute: the rollout entro
 `entropy_criterion="measured"` (tepo.needs_entropy).
 
     import tepo
-from tepokit.cli import objective_config
-from tepokit.errors import fail
-from tepokit.model import prepare_start_model
-from tepokit.rundir import run_name, seed_everything
-from tepokit.task import format_prompt, gold_answer, load_task, score_completions
     from tepokit.tepo_trl import TepoGRPOTrainer, grpo_config
     cfg = tepo.config_for("tepo")                      # paper defaults; any field can be overridden
     args = grpo_config("tepo", cfg, output_dir="out", num_generations=8, max_completion_length=256)
@@ -35,17 +30,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from decimal import Decimal
 
 import torch
+from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 import tepo
 from tepokit.cli import objective_config
 from tepokit.errors import fail
 from tepokit.model import prepare_start_model
-from tepokit.rundir import run_name, seed_everything
-from tepokit.task import format_prompt, gold_answer, load_task, score_completions
+from tepokit.rundir import (check_same_run, claim_run_dir, newest_trl_checkpoint, read_log, run_identity, run_name,
+                            seed_everything, to_json, write_atomically, write_json)
+from tepokit.stop import StopSignals
+from tepokit.task import format_prompt, gold_answer, load_task, score_completions, task_fingerprint
 
 TRL_TESTED = "1.16"
 
@@ -203,30 +202,53 @@ def task_rewards(args, cfg: tepo.ObjectiveConfig) -> list:
     return [correct_answer, overlong_penalty] if cfg.overlong_penalty else [correct_answer]
 
 
+class StopAtStepEnd(TrainerCallback):
+    """A stop signal (tepokit/stop.py) ends training at the next RL step's end: TRL saves a checkpoint
+    there, and train() writes the logs and says how to resume. Every checkpoint also records the run's
+    identity (identity.json), which --resume checks against config.json."""
+
+    def __init__(self, stop, optimizer_steps: int, identity: dict):
+        self.stop, self.optimizer_steps, self.identity = stop, optimizer_steps, identity
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.stop.requested and state.global_step % self.optimizer_steps == 0:
+            control.should_save = control.should_training_stop = True
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            write_json(os.path.join(args.output_dir, f"checkpoint-{state.global_step}", "identity.json"), self.identity)
+        return control
+
+
 def train(args, obj_overrides: dict, evaluate) -> dict:
     """One run of train_small's task with TepoGRPOTrainer. Writes <run dir>/config.json, metrics.jsonl
     (one row per RL step: TRL's logs plus tepo's metrics), the final policy and summary.json with
     held-out accuracy before and after (greedy, strict; main process only), measured with `evaluate`,
-    train_small.py's evaluation (passed in: the package does not import the script)."""
+    train_small.py's evaluation (passed in: the package does not import the script).
+
+    As with the built-in engine: the run directory is locked for the run's lifetime (main process), a stop
+    signal ends the run at an RL step's end with a checkpoint and the command that resumes it, and
+    --resume continues from TRL's newest checkpoint (its trainer state holds the logs so far)."""
     import datasets
     from accelerate import PartialState
 
     state = PartialState()
-    if args.resume:
-        fail("argument --resume: not supported with --engine trl; TRL's checkpoints are in the run directory "
-                "(checkpoint-*), resume them with TRL")
     try:
         settings = trl_settings(args, state.num_processes)
     except ValueError as e:
         fail(str(e))
     torch.set_num_threads(args.threads)
     cfg = objective_config(args, obj_overrides)
-    run_dir = args.out or os.path.join("runs", run_name(args) + "__trl")
+    run_dir = args.resume or args.out or os.path.join("runs", run_name(args) + "__trl")
+    lock = claim_run_dir(run_dir, resume=True) if args.resume and state.is_main_process else None
     device = state.device
     seed_everything(args.seed)
     task = load_task(args)
     with state.main_process_first():          # the built-in warm-up is made (and cached) once
         start_model = prepare_start_model(args, task, device)
+    if state.is_main_process and not args.resume:
+        lock = claim_run_dir(run_dir, resume=False, overwrite=args.overwrite)
     questions, answers = list(task["train"]["question"]), list(task["train"]["answer"])
     golds = [gold_answer(a) for a in answers]
     prompts = datasets.Dataset.from_dict({"prompt": [format_prompt(q) for q in questions],
@@ -234,31 +256,45 @@ def train(args, obj_overrides: dict, evaluate) -> dict:
     config = grpo_config(args.objective, cfg, output_dir=run_dir, use_cpu=device.type == "cpu", **settings)
     trainer = TepoGRPOTrainer(model=start_model, reward_funcs=task_rewards(args, cfg), args=config,
                               train_dataset=prompts, objective=args.objective, objective_config=cfg)
+    identity = run_identity(args.objective, trainer.model, trainer.processing_class, task_fingerprint(task))
     skipped = {"adv_eps": f"{cfg.adv_eps} -> TRL's 1e-4", "dynamic_sampling": cfg.dynamic_sampling}
+    optimizer_steps = args.mini_batches * args.epochs
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    test = task["test"].select(range(min(args.n_test, len(task["test"]))))
     if state.is_main_process:
         print(f"TRL {TRL_TESTED} engine: {args.objective}; not carried over to TRL: {skipped}")
-        os.makedirs(run_dir, exist_ok=True)
-        json.dump({"args": dataclasses.asdict(args), "objective_overrides": obj_overrides,
-                   "objective_config": dataclasses.asdict(trainer.objective_config), "start_model": start_model,
-                   "engine": "trl", "not_carried_over": skipped, "grpo_config": config.to_dict()},
-                  open(os.path.join(run_dir, "config.json"), "w"), indent=2, default=str)
-    test = task["test"].select(range(min(args.n_test, len(task["test"]))))
-    before = evaluate(trainer.model, trainer.processing_class, test, args, device) if state.is_main_process else {}
-    trainer.train()
-    trainer.save_model(os.path.join(run_dir, "policy"))
+        if args.resume:
+            check_same_run(run_dir, identity)
+            before = read_log(metrics_path)[0]           # step 0: the start model's evaluation
+        else:
+            write_json(os.path.join(run_dir, "config.json"), {
+                "args": dataclasses.asdict(args), "objective_overrides": obj_overrides,
+                "objective_config": dataclasses.asdict(trainer.objective_config), "identity": identity,
+                "start_model": start_model, "engine": "trl", "not_carried_over": skipped,
+                "grpo_config": json.loads(json.dumps(config.to_dict(), default=str))})
+            before = {"step": 0, **evaluate(trainer.model, trainer.processing_class, test, args, device)}
+            write_atomically(metrics_path, lambda f: f.write((to_json(before) + "\n").encode()))
+    with StopSignals(finish_step=True) as stop:
+        trainer.add_callback(StopAtStepEnd(stop, optimizer_steps, identity))
+        trainer.train(resume_from_checkpoint=newest_trl_checkpoint(run_dir)[0] if args.resume else None)
     if not state.is_main_process:
         return {"run_dir": run_dir}
-    optimizer_steps = args.mini_batches * args.epochs
-    rows = [{"step": h["step"] // optimizer_steps, **{k: v for k, v in h.items() if k != "step"}}
-            for h in trainer.state.log_history if "reward" in h]
+    rows = [before] + [{"step": h["step"] // optimizer_steps, **{k: v for k, v in h.items() if k != "step"}}
+                       for h in trainer.state.log_history if "reward" in h]
+    if stop.requested:                 # TRL saved a checkpoint at this step's end
+        write_atomically(metrics_path, lambda f: f.write("".join(to_json(r) + "\n" for r in rows).encode()))
+        print(f"{stop.name}: stopped after step {rows[-1]['step']}; resume with: python train_small.py --resume "
+              f"{run_dir}", file=sys.stderr)
+        raise SystemExit(stop.exit_status)
+    trainer.save_model(os.path.join(run_dir, "policy"))
     after = evaluate(trainer.model, trainer.processing_class, test, args, device)
-    rows = [{"step": 0, **before}] + rows
     rows[-1].update(after)
-    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+    write_atomically(metrics_path, lambda f: f.write("".join(to_json(r) + "\n" for r in rows).encode()))
     summary = {"run_dir": run_dir, "engine": "trl", "objective": args.objective, "seed": args.seed,
                "start_accuracy": before["eval/accuracy"], "final_accuracy": after["eval/accuracy"],
                "gain_points": 100 * (after["eval/accuracy"] - before["eval/accuracy"])}
-    json.dump(summary, open(os.path.join(run_dir, "summary.json"), "w"), indent=2)
+    write_json(os.path.join(run_dir, "summary.json"), summary)
     print(f"held-out accuracy {summary['start_accuracy']:.3f} -> {summary['final_accuracy']:.3f}; {run_dir}")
+    if lock is not None:
+        lock.close()
     return summary

@@ -6,6 +6,9 @@ import io
 import itertools
 import json
 import os
+import time
+import sys
+import subprocess
 from pathlib import Path
 
 import torch
@@ -46,7 +49,7 @@ def without_timing(rows):
 def micro_run(model, tokenizer, args, objective, ref_model=None, lr=1e-3, **overrides):
     """A ts.Run around a model built in the test (no run directory, no task)."""
     return ts.Run(args=dataclasses.replace(args, objective=objective), cfg=tepo.config_for(objective, **overrides),
-                  objective=tepo.OBJECTIVES[objective], device=torch.device("cpu"), run_dir="", model=model,
+                  objective=tepo.OBJECTIVES[objective], device=torch.device("cpu"), run_dir="", lock=None, identity={}, model=model,
                   ref_model=ref_model, tokenizer=tokenizer,
                   optimizer=torch.optim.Adam(model.parameters(), lr=lr), train_set=None, test_set=None,
                   first_step=1, details_path=None)
@@ -95,15 +98,54 @@ def assert_refused_in_one_line(argv, *needles):
     return lines[0]
 
 
+IDENTITY = {"objective": "tepo", "model_shape": "m", "tokenizer": "t", "data": "d"}
+
+
 def fake_run(run_dir, step=2, **args):
-    """A run directory as train_small.py leaves it: config.json and checkpoint.pt (a tiny model)."""
+    """A run directory as train_small.py leaves it: config.json, checkpoint.pt (a tiny model) and the logs."""
     os.makedirs(run_dir, exist_ok=True)
     saved = ts.Args(**{"steps": 4, **args})
     cfg = objective_config(saved, {})
-    json.dump({"args": dataclasses.asdict(saved), "objective_overrides": {},
+    identity = {**IDENTITY, "objective": saved.objective}
+    json.dump({"args": dataclasses.asdict(saved), "objective_overrides": {}, "identity": identity,
                "objective_config": dataclasses.asdict(cfg)}, open(os.path.join(run_dir, "config.json"), "w"))
     model = torch.nn.Linear(3, 3)
-    save_checkpoint(str(run_dir), model, torch.optim.Adam(model.parameters()), step)
+    save_checkpoint(str(run_dir), model, torch.optim.Adam(model.parameters()), step, identity)
     with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
         f.writelines(json.dumps({"step": s}) + "\n" for s in range(step + 1))
+    if saved.objective == "tepo":
+        with open(os.path.join(run_dir, "details.jsonl"), "w") as f:
+            f.writelines(json.dumps({"step": s}) + "\n" for s in range(1, step + 1))
     return str(run_dir)
+
+
+def assert_whole_rows_without_duplicates(run_dir):
+    text = Path(run_dir, "metrics.jsonl").read_text()
+    assert text.endswith("\n")
+    steps = [json.loads(line)["step"] for line in text.splitlines()]
+    assert steps == list(range(len(steps))), steps
+
+
+def start_process(argv, **env):
+    return subprocess.Popen([sys.executable, SCRIPT, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, **env})
+
+
+def wait_until(condition, process, timeout=240):
+    t0 = time.time()
+    while not condition():
+        assert process.poll() is None, f"the run ended before the awaited moment: {process.stderr.read()}"
+        assert time.time() - t0 < timeout
+        time.sleep(0.01)
+
+
+def rows_in(run_dir):
+    path = Path(run_dir, "metrics.jsonl")
+    return path.read_text().count("\n") if path.exists() else 0
+
+
+def strict_loads(text):
+    """json.loads as strict parsers (JavaScript, jq, Go) read: NaN and Infinity are not JSON."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)

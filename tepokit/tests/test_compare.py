@@ -10,13 +10,13 @@ import train_small as ts
 import tepokit.cli
 from tepokit.cli import parse_args
 from tepokit.compare import paired_differences, paired_metrics, paired_table
-from tepokit.tests.helpers import MICRO, run_main
+from tepokit.tests.helpers import MICRO, run_main, strict_loads
 
 
 def test_compare_writes_a_table_and_a_rerun_reuses_finished_runs(workdir):
     argv = [*MICRO, "--compare", "grpo,tepo", "--seeds", "2", "--steps", "2", "--out", "runs/cmp"]
     run_main(argv)
-    result = json.load(open("runs/cmp/summary.json"))
+    result = strict_loads(open("runs/cmp/summary.json").read())        # strict JSON: no NaN in the file
     table = result["objectives"]
     assert set(table) == {"grpo", "tepo"} and result["seeds"] == [1, 2] and result["baseline"] == "grpo"
     runs = {(name, seed): json.load(open(f"runs/cmp/{name}__{seed}/summary.json"))

@@ -1,23 +1,40 @@
-"""tepokit/rundir.py: resume that cannot destroy, atomic writes, --steps, Ctrl-C and kill -9."""
+"""tepokit/rundir.py: a run owns its directory, resume that cannot destroy, atomic writes in strict JSON,
+--steps, kill -9, and the operating system's errors in one line."""
 import io
 import json
 import os
-import re
+import resource
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+import train_small as ts
 from tepokit.rundir import read_log, truncate_log, write_atomically
-from tepokit.tests.helpers import SCRIPT, MICRO, run_main, read_rows, without_timing, read_details, assert_refused_in_one_line, fake_run
+from tepokit.tests.helpers import (MICRO, SCRIPT, assert_refused_in_one_line, assert_whole_rows_without_duplicates,
+                                   fake_run, read_details, read_rows, rows_in, run_main, start_process,
+                                   strict_loads, wait_until, without_timing)
 
 
 def snapshot(folder):
-    return {name: Path(folder, name).read_bytes() for name in sorted(os.listdir(folder))}
+    """Every file below `folder` and its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+def edit_config(run_dir, change):
+    config = json.load(open(os.path.join(run_dir, "config.json")))
+    change(config)
+    json.dump(config, open(os.path.join(run_dir, "config.json"), "w"))
+
+
+def edit_log(run_dir, line, row):
+    """Replace line `line` (0-based) of metrics.jsonl by `row`, or drop it and every later line ("drop")."""
+    lines = open(os.path.join(run_dir, "metrics.jsonl")).read().splitlines()
+    lines = lines[:line] if row == "drop" else [*lines[:line], json.dumps(row), *lines[line + 1:]]
+    open(os.path.join(run_dir, "metrics.jsonl"), "w").write("".join(x + "\n" for x in lines))
 
 
 def test_resume_refuses_damaged_or_incomplete_run_directories_and_changes_nothing(tmp_path):
@@ -31,6 +48,20 @@ def test_resume_refuses_damaged_or_incomplete_run_directories_and_changes_nothin
         "unknown setting": lambda d: Path(d, "config.json").write_text(
             json.dumps({"args": {"warp_drive": 1}, "objective_overrides": {}})),
         "no config.json": lambda d: os.remove(os.path.join(d, "config.json")),
+        # config.json must hold every setting the run needs: no silent defaults
+        "a setting missing": lambda d: edit_config(d, lambda c: c["args"].pop("lr")),
+        "no identity": lambda d: edit_config(d, lambda c: c.pop("identity")),
+        # a checkpoint from another run: another objective, another model size
+        "another objective's checkpoint": lambda d: edit_config(d, lambda c: c["identity"].update(objective="grpo")),
+        "another model's checkpoint": lambda d: edit_config(d, lambda c: c["identity"].update(model_shape="x")),
+        # metrics.jsonl: each row an object with an integer step, steps contiguous up to the checkpoint
+        "a hand-edited row": lambda d: edit_log(d, 1, {"foo": 1}),
+        "a null row": lambda d: edit_log(d, 1, None),
+        "a step as text": lambda d: edit_log(d, 1, {"step": "1"}),
+        "a step twice": lambda d: edit_log(d, 2, {"step": 1}),
+        "steps missing": lambda d: edit_log(d, 2, "drop"),
+        "no metrics.jsonl": lambda d: os.remove(os.path.join(d, "metrics.jsonl")),
+        "no details.jsonl (tepo)": lambda d: os.remove(os.path.join(d, "details.jsonl")),
     }
     for what, damage in cases.items():
         run_dir = fake_run(tmp_path / what.replace(" ", "_"))
@@ -104,48 +135,8 @@ def test_steps_extends_a_finished_run_like_an_uninterrupted_one(four_steps):
     assert read_details("runs/ext") == read_details("runs/four_steps")
 
 
-def assert_whole_rows_without_duplicates(run_dir):
-    text = Path(run_dir, "metrics.jsonl").read_text()
-    assert text.endswith("\n")
-    steps = [json.loads(line)["step"] for line in text.splitlines()]
-    assert steps == list(range(len(steps))), steps
-
-
-def start_process(argv, **env):
-    return subprocess.Popen([sys.executable, SCRIPT, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, **env})
-
-
-def wait_until(condition, process, timeout=240):
-    t0 = time.time()
-    while not condition():
-        assert process.poll() is None, f"the run ended before the awaited moment: {process.stderr.read()}"
-        assert time.time() - t0 < timeout
-        time.sleep(0.01)
-
-
-def rows_in(run_dir):
-    path = Path(run_dir, "metrics.jsonl")
-    return path.read_text().count("\n") if path.exists() else 0
-
-
 def writing_checkpoint(run_dir):
     return os.path.isdir(run_dir) and any(n.startswith(".checkpoint.pt-") for n in os.listdir(run_dir))
-
-
-def test_ctrl_c_finishes_the_step_and_says_how_to_resume(workdir):
-    out = "runs/ctrl_c"
-    process = start_process([*MICRO, "--objective", "grpo", "--steps", "40", "--out", out])
-    wait_until(lambda: rows_in(out) >= 2, process)
-    process.send_signal(signal.SIGINT)
-    stderr = process.communicate(timeout=120)[1]
-    assert process.returncode == 130, stderr
-    last = stderr.strip().splitlines()[-1]
-    m = re.fullmatch(r"interrupted at step (\d+); resume with: python train_small.py --resume runs/ctrl_c", last)
-    assert m and "Traceback" not in stderr, stderr
-    assert_whole_rows_without_duplicates(out)
-    assert rows_in(out) == int(m[1]) + 1                                    # the step's row was flushed
-    assert torch.load(Path(out, "checkpoint.pt"), weights_only=True)["step"] == int(m[1])
 
 
 def test_kill_9_at_any_moment_loses_at_most_the_steps_since_the_checkpoint(four_steps):
@@ -161,8 +152,9 @@ def test_kill_9_at_any_moment_loses_at_most_the_steps_since_the_checkpoint(four_
     before = snapshot(out)
     assert_refused_in_one_line(["--resume", out], "no checkpoint.pt")
     assert snapshot(out) == before
-    # 2. a fresh start in the same directory, killed while writing the checkpoint of step 2
-    process = start_process([*KILL_ARGS, "--out", out], **slow)
+    # 2. a fresh start in the same directory (--overwrite: it holds the killed run's first row), killed while
+    # writing the checkpoint of step 2
+    process = start_process([*KILL_ARGS, "--out", out, "--overwrite"], **slow)
     wait_until(lambda: rows_in(out) >= 3 and writing_checkpoint(out), process)
     process.kill()
     process.wait()
@@ -178,4 +170,127 @@ def test_kill_9_at_any_moment_loses_at_most_the_steps_since_the_checkpoint(four_
     assert_whole_rows_without_duplicates(out)
     assert without_timing(read_rows(out)) == four_steps
     assert read_details(out) == read_details("runs/four_steps")
-    assert not [n for n in os.listdir(out) if n.startswith(".")]            # no temp file left behind
+    assert not [n for n in os.listdir(out) if n.startswith(".") and n != ".lock"]   # no temp file left
+
+
+# ---- a run owns its directory --------------------------------------------------------------------------
+
+def test_a_live_run_directory_is_refused_naming_its_process_and_a_killed_one_is_not(workdir):
+    out = "runs/live"
+    process = start_process([*MICRO, "--objective", "grpo", "--steps", "200", "--out", out])
+    try:
+        wait_until(lambda: rows_in(out) >= 2, process)
+        process.send_signal(signal.SIGSTOP)        # paused (still holding the lock): its files stand still
+        before = snapshot(out)
+        assert_refused_in_one_line([*MICRO, "--out", out, "--overwrite"], f"in use by process {process.pid}")
+        assert_refused_in_one_line(["--resume", out], f"in use by process {process.pid}")
+        assert snapshot(out) == before              # the refused commands changed nothing
+    finally:
+        process.kill()
+        process.wait()
+    # the lock died with the process: the killed run resumes (one more step is enough to show it)
+    done = rows_in(out) - 1
+    run_main(["--resume", out, "--steps", str(done + 1)])
+    assert_whole_rows_without_duplicates(out)
+
+
+def test_a_finished_run_is_not_overwritten_unless_asked(workdir):
+    out = "runs/finished"
+    run_main([*MICRO, "--objective", "grpo", "--steps", "1", "--out", out])
+    before = snapshot(out)
+    assert_refused_in_one_line([*MICRO, "--objective", "grpo", "--steps", "1", "--out", out], "--overwrite")
+    assert snapshot(out) == before
+    run_main([*MICRO, "--objective", "dapo", "--steps", "2", "--out", out, "--overwrite"])
+    assert [r["step"] for r in read_rows(out)] == [0, 1, 2]
+    assert json.load(open(Path(out, "config.json")))["args"]["objective"] == "dapo"
+    assert not Path(out, "details.jsonl").exists()             # the old run's files are gone, not mixed in
+
+
+def test_resume_refuses_a_data_set_edited_since_the_run_started(workdir, tmp_path, capsys):
+    data = tmp_path / "data.jsonl"
+    rows = [{"question": f"What is {a} plus {b}?", "answer": f"#### {a + b}"} for a in range(1, 8) for b in range(1, 4)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = "runs/edited"
+    run_main([*MICRO, "--objective", "grpo", "--dataset", str(data), "--n-test", "4", "--steps", "1", "--out", out])
+    data.write_text("".join(json.dumps({**r, "answer": "#### 7"}) + "\n" for r in rows))
+    before = snapshot(out)
+    with pytest.raises(SystemExit) as refused:         # found after loading, before anything changes
+        ts.main(["--resume", out, "--steps", "2"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert refused.value.code == 2 and "the data loaded now differ" in last and "Traceback" not in last, last
+    assert snapshot(out) == before
+
+
+# ---- strict JSON ---------------------------------------------------------------------------------------
+
+def test_every_file_a_run_writes_is_strict_json(workdir):
+    """A one-step run has fewer than 3 entropy checks: its correlation is NaN, written as null with the
+    reason beside it; every .json and .jsonl line parses with a parser that refuses NaN and Infinity."""
+    out = "runs/strict"
+    run_main([*MICRO, "--objective", "tepo", "--steps", "1", "--out", out])
+    files = [p for p in Path(out).iterdir() if p.suffix in (".json", ".jsonl")]
+    assert {p.name for p in files} >= {"config.json", "metrics.jsonl", "details.jsonl", "summary.json"}
+    for p in files:
+        for line in ([p.read_text()] if p.suffix == ".json" else p.read_text().splitlines()):
+            strict_loads(line)
+    summary = strict_loads(Path(out, "summary.json").read_text())
+    assert summary["entropy_change_correlation"] is None and summary["entropy_change_correlation_missing"]
+
+
+# ---- the operating system's errors ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["below a regular file", "a name over 255 bytes"])
+def test_an_out_that_cannot_be_created_is_one_line_and_creates_nothing(where, tmp_path):
+    (tmp_path / "file").write_text("x")
+    out = {"below a regular file": tmp_path / "file" / "run", "a name over 255 bytes": tmp_path / ("x" * 300)}[where]
+    assert_refused_in_one_line([*MICRO, "--out", str(out)], "--out")
+    assert sorted(os.listdir(tmp_path)) == ["file"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_a_read_only_out_is_one_line(tmp_path):
+    tmp_path.chmod(0o555)
+    try:
+        assert_refused_in_one_line([*MICRO, "--out", str(tmp_path / "run")], "--out")
+    finally:
+        tmp_path.chmod(0o755)
+
+
+def test_a_failed_checkpoint_write_keeps_the_previous_checkpoint_and_resume_works(workdir, monkeypatch, capsys):
+    """The disk fills up while checkpoint 2 is written (torch reports it as a RuntimeError): one line that
+    says what failed and how to go on; checkpoint 1 is whole, and --resume continues from it."""
+    out = "runs/full_disk"
+    real_save = torch.save
+    saves = []
+
+    def save(obj, f, *a, **k):
+        saves.append(obj["step"])
+        if obj["step"] == 2:
+            f.write(b"partial")
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", save)
+    with pytest.raises(OSError) as failure:
+        run_main([*MICRO, "--objective", "grpo", "--steps", "3", "--out", out])
+    monkeypatch.setattr(torch, "save", real_save)
+    from tepokit.errors import os_error_line
+    line = os_error_line(failure.value)
+    assert "checkpoint.pt" in line and f"--resume {out}" in line and "\n" not in line
+    assert torch.load(Path(out, "checkpoint.pt"), weights_only=True)["step"] == 1
+    assert not [n for n in os.listdir(out) if n.startswith(".checkpoint.pt-")]   # no temp file left
+    run_main(["--resume", out])
+    assert [r["step"] for r in read_rows(out)] == [0, 1, 2, 3]
+
+
+def test_a_file_size_limit_is_one_line_in_a_real_process(tmp_path):
+    """RLIMIT_FSIZE below the size of a checkpoint: the write fails with EFBIG (Python ignores SIGXFSZ);
+    the run ends with one line naming the file and what to do, no traceback."""
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+    result = subprocess.run([sys.executable, SCRIPT, *MICRO, "--steps", "1", "--out", str(tmp_path / "run"),
+                             "--cache-dir", str(tmp_path / "cache")],
+                            capture_output=True, text=True, preexec_fn=limit, cwd=tmp_path, timeout=300)
+    last = result.stderr.strip().splitlines()[-1]          # above it: the progress bars of the warm-up
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert last.startswith("train_small.py: error: could not write") and "ulimit -f" in last, last

@@ -5,6 +5,8 @@ import json
 import math
 import os
 import re
+import signal
+import time
 
 import pytest
 import torch
@@ -14,7 +16,8 @@ import train_small as ts
 from tepokit.cli import parse_args
 from tepokit.model import prepare_start_model
 from tepokit.task import load_task
-from tepokit.tests.helpers import MICRO, run_main, read_rows
+from tepokit.tests.helpers import (MICRO, assert_refused_in_one_line, read_rows, rows_in, run_main, start_process,
+                                   wait_until)
 
 
 TRL_PARITY = {   # case: (tepo objective, its config overrides, TRL's own loss settings)
@@ -33,7 +36,7 @@ def reward_by_length(completions, **_):
 
 @pytest.fixture(scope="module")
 def trl_model(workdir):
-    """The micro built-in model directory (warmed up and cached like section 15's runs)."""
+    """The micro built-in model directory (warmed up and cached like the other micro runs)."""
     pytest.importorskip("trl")
     args, _ = parse_args(ts.Args, MICRO)
     return prepare_start_model(args, load_task(args), torch.device("cpu"))
@@ -163,3 +166,28 @@ def test_trl_trainer_refuses_settings_it_would_ignore(setting, message, tmp_path
                         **setting)
     with pytest.raises(ValueError, match=re.escape(message)):
         tepo_trl.TepoGRPOTrainer(model="unused", reward_funcs=[], args=config, objective="grpo")
+
+
+def test_trl_engine_stops_on_sigterm_with_a_checkpoint_and_resumes_every_step_once(trl_model):
+    """SIGTERM to a real --engine trl run: TRL stops at the end of an RL step with a checkpoint, the log is
+    written, one line says how to resume (exit 143); --resume goes on from TRL's checkpoint to the end with
+    every step logged exactly once. A second run into the live directory is refused, naming the process."""
+    out = "runs/trl_sigterm"
+    process = start_process([*MICRO, "--engine", "trl", "--objective", "grpo", "--steps", "400", "--save-every",
+                             "1000", "--out", out])
+    wait_until(lambda: rows_in(out) >= 1, process)                       # step 0's evaluation: training starts
+    assert_refused_in_one_line([*MICRO, "--engine", "trl", "--out", out, "--overwrite"],
+                               f"in use by process {process.pid}")
+    time.sleep(1)
+    process.send_signal(signal.SIGTERM)
+    stderr = process.communicate(timeout=300)[1]
+    assert process.returncode == 143, stderr
+    m = re.fullmatch(rf"SIGTERM: stopped after step (\d+); resume with: python train_small.py --resume {out}",
+                     stderr.strip().splitlines()[-1])
+    assert m and "Traceback" not in stderr, stderr
+    stopped = int(m[1])
+    assert 0 < stopped < 400 and [r["step"] for r in read_rows(out)] == list(range(stopped + 1))
+    assert os.path.isdir(os.path.join(out, f"checkpoint-{2 * stopped}"))       # 2 optimizer steps per RL step
+    run_main(["--resume", out, "--steps", str(stopped + 2)])                    # two more steps show it goes on
+    rows = read_rows(out)
+    assert [r["step"] for r in rows] == list(range(stopped + 3)) and "eval/accuracy" in rows[-1]

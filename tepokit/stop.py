@@ -1,0 +1,68 @@
+"""Stopping cleanly: Ctrl-C (SIGINT), SIGTERM (kill, timeout, Slurm, job schedulers) and SIGHUP (a closed
+terminal or SSH session) all finish the current RL step, checkpoint it and exit with 128 + the signal.
+
+As PyTorch Lightning does, the handler only records the signal; the loop looks at it at its next safe
+point (after a step is logged), so no file is written inside a signal handler. A second signal while the
+step finishes aborts at once: the run then resumes from its last checkpoint."""
+
+from __future__ import annotations
+
+import signal
+
+STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
+
+
+class Stopped(BaseException):
+    """A stop signal that must end the process now (outside the RL loop, or a second one inside it), with
+    exit status 128 + signum. Nothing is left half-written: every file is written atomically."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+        self.exit_status = 128 + signum      # the shell's convention: 130 SIGINT, 143 SIGTERM, 129 SIGHUP
+
+
+class StopSignals:
+    """`with StopSignals(finish_step=...) as stop:` handles SIGINT, SIGTERM and SIGHUP while inside.
+
+    finish_step=False (loading, the warm-up): a signal raises Stopped at once; there is no finished step
+    to keep, and the warm-up cache is written atomically.
+    finish_step=True (the RL loop): the first signal is only recorded (stop.requested); the loop finishes
+    the step, checkpoints it and exits with stop.exit_status. A second signal raises Stopped.
+    The previous handlers come back on leaving, so the loop's handlers nest inside the program's."""
+
+    def __init__(self, finish_step: bool = False):
+        self.finish_step = finish_step
+        self.signum = None
+        self.previous = {}
+
+    def handler(self, signum, frame):
+        if not self.finish_step or self.signum is not None:
+            raise Stopped(signum)
+        self.signum = signum           # the only thing done here: the loop acts on it at a safe point
+
+    def __enter__(self):
+        for s in STOP_SIGNALS:
+            try:
+                self.previous[s] = signal.signal(s, self.handler)
+            except ValueError:         # not the main thread: the signals keep their usual meaning
+                break
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self.previous.items():
+            signal.signal(s, h)
+        return False
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum
