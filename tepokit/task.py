@@ -4,6 +4,7 @@ dataset directory or a .jsonl file; the prompt format; and the answer parsing th
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -181,3 +182,13 @@ def score_completions(texts: list[str], golds: list) -> tuple[torch.Tensor, torc
     strict = [float(g is not None and parse_strict(t) == g) for t, g in zip(texts, golds)]
     lenient = [float(g is not None and parse_lenient(t) == g) for t, g in zip(texts, golds)]
     return torch.tensor(strict), torch.tensor(lenient)
+
+
+def task_fingerprint(task) -> str:
+    """A content hash of the task's records (every split's questions and answers): the data's identity,
+    which a resumed run checks (an edited data set is refused) and the warm-up cache's key includes."""
+    digest = hashlib.sha256()
+    for split in sorted(task):
+        for column in ("question", "answer"):
+            digest.update(json.dumps([split, column, list(task[split][column])]).encode())
+    return digest.hexdigest()[:16]
