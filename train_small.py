@@ -512,8 +512,10 @@ def train(args: Args, obj_overrides: dict) -> dict:
             rundir.append_row(os.path.join(run.run_dir, "metrics.jsonl"), row)
             if details_row is not None:
                 rundir.append_row(run.details_path, details_row)
-            bar.set_postfix({"reward": f"{row['reward']:.2f}", "H": f"{row['entropy']:.3f}",
-                             **({"eval": f"{row['eval/accuracy']:.3f}"} if "eval/accuracy" in row else {})})
+            bar.set_postfix({"reward": f"{row['reward']:.2f}", "H": f"{row['entropy']:.3f}"})
+            if "eval/accuracy" in row:         # a line that stays on screen above the progress bar
+                bar.write(f"step {step:>4}: held-out accuracy {row['eval/accuracy']:.3f}, pass@{args.pass_k} "
+                          f"{row[f'eval/pass@{args.pass_k}']:.3f}, entropy {row['entropy']:.3f}")
             if step % args.save_every == 0 or step == last_step or stop.requested:
                 rundir.save_checkpoint(run.run_dir, run.model, run.optimizer, step, run.identity)
             if stop.requested:         # the safe point: the step is logged and checkpointed
@@ -579,8 +581,10 @@ def start_run(args: Args, obj_overrides: dict) -> Run:
         rundir.write_json(os.path.join(run_dir, "config.json"), config)
         for path in logs:
             open(path, "w").close()
-        rundir.append_row(logs[0], {"step": 0, **evaluate(model, tokenizer, run.test_set, args, device),
-                                    "memory/process_before_model_mb": memory_before_model})
+        start = evaluate(model, tokenizer, run.test_set, args, device)
+        rundir.append_row(logs[0], {"step": 0, **start, "memory/process_before_model_mb": memory_before_model})
+        print(f"step    0: held-out accuracy {start['eval/accuracy']:.3f}, pass@{args.pass_k} "
+              f"{start[f'eval/pass@{args.pass_k}']:.3f} (the start model)", flush=True)
         rundir.save_checkpoint(run_dir, model, run.optimizer, 0, identity)
     return run
 

@@ -396,10 +396,38 @@ def write_summary(run_dir: str, rows: list[dict], args, wall: float) -> dict:
     if not math.isfinite(summary["entropy_change_correlation"]):       # null in the file: say why
         summary["entropy_change_correlation_missing"] = "fewer than 3 steps with a finite entropy check"
     write_json(os.path.join(run_dir, "summary.json"), summary)
-    print(f"held-out accuracy {summary['start_accuracy']:.3f} -> {summary['final_accuracy']:.3f} "
-          f"({summary['gain_points']:+.1f} points, {summary['accuracy_auc']:.3f} averaged over the run); "
-          f"sampled (T={args.temperature}) {summary['start_sampled_accuracy']:.3f} -> "
-          f"{summary['final_sampled_accuracy']:.3f}, pass@{args.pass_k} {summary[f'final_pass@{args.pass_k}']:.3f}; "
-          f"entropy change predicted vs measured: r = {summary['entropy_change_correlation']:.3f}; {wall:.0f} s; "
-          f"{run_dir}")
+    print_summary(summary, rows, args, wall)
     return summary
+
+
+def accuracy_with_interval(p: float, n: int) -> str:
+    """'0.296 +- 0.040': an accuracy over n problems and the half-width of its 95% (Wald) interval."""
+    return f"{p:.3f} +- {1.96 * math.sqrt(p * (1 - p) / n):.3f}" if n else f"{p:.3f}"
+
+
+def print_summary(summary: dict, rows: list[dict], args, wall: float) -> None:
+    """The block that ends a run, to stay on screen: what changed (with the uncertainty that the number of
+    held-out problems leaves), where the files are, and what to try next."""
+    run_dir, k, n = summary["run_dir"], args.pass_k, args.n_test
+    entropies = [r["entropy"] for r in rows if r["step"] > 0 and math.isfinite(r.get("entropy", math.nan))]
+    masks = [r["kl_mask/frac"] for r in rows if math.isfinite(r.get("kl_mask/frac", math.nan))]
+    minutes, seconds = divmod(round(wall), 60)
+    rows_out = [("held-out accuracy", f"{accuracy_with_interval(summary['start_accuracy'], n)} -> "
+                 f"{accuracy_with_interval(summary['final_accuracy'], n)}  ({summary['gain_points']:+.1f} points; "
+                 f"greedy; 95% intervals over {n} problems)"),
+                (f"sampled (T={args.temperature:g})", f"{summary['start_sampled_accuracy']:.3f} -> "
+                 f"{summary['final_sampled_accuracy']:.3f};  final pass@{k} {summary[f'final_pass@{k}']:.3f}")]
+    if entropies:
+        rows_out.append(("token entropy", f"{entropies[0]:.3f} -> {entropies[-1]:.3f} nats "
+                         f"({100 * (entropies[-1] / entropies[0] - 1):+.0f}%); predicted vs measured change per "
+                         f"step: r = {summary['entropy_change_correlation']:.2f}"))
+    if masks:
+        rows_out.append(("KL mask (TEPO)", f"{100 * sum(masks) / len(masks):.1f}% of tokens on average"))
+    rows_out += [("files", f"{run_dir}/ (metrics.jsonl, summary.json, checkpoint.pt, policy/)"),
+                 ("next", f"python -m tepokit.plot {run_dir}   # the run's figures"),
+                 ("", "python train_small.py --compare grpo,tepo --seeds 3   # two objectives, paired by seed"),
+                 ("", "jupyter lab notebooks/entropy_dynamics.ipynb   # the notebooks")]
+    took = f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
+    lines = [f"done: {args.objective}, seed {args.seed}, {rows[-1]['step']} RL steps in {took}"]
+    lines += [f"  {label:<20} {text}" for label, text in rows_out]
+    print("\n".join(lines), flush=True)

@@ -3,6 +3,7 @@ import copy
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -210,3 +211,22 @@ def test_run_summary_has_the_auc_and_every_pass_at_k(workdir):
     for row in evals:                            # K = 2: pass@1 is mean@2, and pass@2 >= pass@1
         assert row["eval/pass@1"] == pytest.approx(row["eval/mean@2"]) and row["eval/pass@2"] >= row["eval/pass@1"]
     assert (summary["final_pass@1"], summary["final_pass@2"]) == (evals[-1]["eval/pass@1"], evals[-1]["eval/pass@2"])
+
+
+def test_evaluations_and_the_result_stay_on_screen_and_a_resumed_bar_counts_from_its_step(workdir, capsys):
+    """Each held-out evaluation prints a lasting line (not only the progress bar's postfix), the run ends
+    with a summary block (accuracy with its interval, entropy, KL mask, files, next commands), and a
+    resumed run's progress bar starts at the resumed step."""
+    run_main([*MICRO, "--objective", "tepo", "--steps", "2", "--out", "runs/screen"])
+    out = capsys.readouterr().out
+    assert re.search(r"^step    0: held-out accuracy \d\.\d{3}, pass@2 \d\.\d{3} \(the start model\)$", out, re.M)
+    assert re.search(r"^step    2: held-out accuracy \d\.\d{3}, pass@2 \d\.\d{3}, entropy \d\.\d{3}$", out, re.M)
+    block = out[out.index("done: tepo, seed 1, 2 RL steps in"):]
+    summary = json.load(open("runs/screen/summary.json"))
+    assert f"{summary['start_accuracy']:.3f} +- " in block and "95% intervals over 4 problems" in block
+    for label in ("held-out accuracy", "sampled (T=1)", "token entropy", "KL mask (TEPO)", "files", "next"):
+        assert f"\n  {label}" in block, label
+    assert "python -m tepokit.plot runs/screen" in block
+    run_main(["--resume", "runs/screen", "--steps", "3"])
+    err = capsys.readouterr().err
+    assert re.search(r"tepo seed 1:\s+67%\|[^|]*\| 2/3", err) and not re.search(r"tepo seed 1:\s+0%", err), err[-500:]
