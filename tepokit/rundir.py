@@ -120,6 +120,14 @@ def run_identity(objective: str, model, tokenizer, data: str) -> dict:
             "tokenizer": fingerprint(sorted(tokenizer.get_vocab().items())), "data": data}
 
 
+CANNOT_RESUME = "the run cannot be resumed (nothing was changed)"
+
+
+def identity_differences(saved: dict, found: dict) -> list[str]:
+    """The parts of a run's identity (run_identity) in which `found` differs from `saved`."""
+    return [key for key, value in saved.items() if found.get(key) != value]
+
+
 def check_resumable(run_dir: str, Args, run_only: tuple) -> tuple[dict, int]:
     """(saved config.json, step of checkpoint.pt) of a run directory that --resume can continue.
     Otherwise one line saying why not. Only reads: nothing on disk changes either way.
@@ -129,29 +137,28 @@ def check_resumable(run_dir: str, Args, run_only: tuple) -> tuple[dict, int]:
     (its identity: objective, model shape, tokenizer, data, equals config.json's); metrics.jsonl (and
     details.jsonl for TEPO) has one row per step from the start up to the checkpoint."""
     config_path, ckpt_path = os.path.join(run_dir, "config.json"), os.path.join(run_dir, "checkpoint.pt")
-    cannot = "the run cannot be resumed (nothing was changed)"
     if not os.path.isfile(config_path):
         fail(f"argument --resume: {run_dir!r} has no config.json; give a run directory of train_small.py")
     try:
         with open(config_path) as f:
             saved = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        fail(f"argument --resume: {config_path} is damaged ({type(e).__name__}: {first_line(e)}); {cannot}")
+        fail(f"argument --resume: {config_path} is damaged ({type(e).__name__}: {first_line(e)}); {CANNOT_RESUME}")
     if not (isinstance(saved, dict) and isinstance(saved.get("args"), dict)
             and isinstance(saved.get("objective_overrides"), dict)):
         fail(f"argument --resume: {config_path} is not a run configuration of train_small.py "
-             f"(it needs args and objective_overrides); {cannot}")
+             f"(it needs args and objective_overrides); {CANNOT_RESUME}")
     unknown = sorted(set(saved["args"]) - set(Args.__dataclass_fields__)
                      | set(saved["objective_overrides"]) - set(tepo.ObjectiveConfig.__dataclass_fields__))
     if unknown:
         fail(f"argument --resume: {config_path} has settings this version of train_small.py does not know "
-             f"({', '.join(unknown)}); {cannot}")
+             f"({', '.join(unknown)}); {CANNOT_RESUME}")
     missing = sorted(set(Args.__dataclass_fields__) - set(run_only) - set(saved["args"]))
     if missing:
-        fail(f"argument --resume: {config_path} lacks settings the run needs ({', '.join(missing)}); {cannot}")
+        fail(f"argument --resume: {config_path} lacks settings the run needs ({', '.join(missing)}); {CANNOT_RESUME}")
     if not isinstance(saved.get("identity"), dict):
         fail(f"argument --resume: {config_path} does not record the run's model, tokenizer and data (it was "
-             f"written by an older version of train_small.py); {cannot}")
+             f"written by an older version of train_small.py); {CANNOT_RESUME}")
     if saved["args"].get("engine") == "trl":       # TRL's own checkpoints; its trainer state holds the logs
         return saved, check_trl_checkpoint(run_dir, saved)
     if not os.path.isfile(ckpt_path):
@@ -165,11 +172,11 @@ def check_resumable(run_dir: str, Args, run_only: tuple) -> tuple[dict, int]:
         checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
         step, identity = int(checkpoint["step"]), checkpoint.get("identity") or {}
     except Exception as e:  # noqa: BLE001 -- whatever is wrong with the file, the answer is one line
-        fail(f"argument --resume: {ckpt_path} is damaged ({type(e).__name__}: {first_line(e)}); {cannot}")
-    differ = [key for key, value in saved["identity"].items() if identity.get(key) != value]
+        fail(f"argument --resume: {ckpt_path} is damaged ({type(e).__name__}: {first_line(e)}); {CANNOT_RESUME}")
+    differ = identity_differences(saved["identity"], identity)
     if differ:
         fail(f"argument --resume: {ckpt_path} was not written by the run of {config_path}: its "
-             f"{' and '.join(differ)} differ; {cannot}")
+             f"{' and '.join(differ)} differ; {CANNOT_RESUME}")
     check_log(os.path.join(run_dir, "metrics.jsonl"), 0, step)
     if saved["args"]["objective"] == "tepo":
         check_log(os.path.join(run_dir, "details.jsonl"), 1, step)
@@ -187,7 +194,6 @@ def check_trl_checkpoint(run_dir: str, saved: dict) -> int:
     """The RL step of an --engine trl run's newest checkpoint, after the same checks as checkpoint.pt's:
     it exists, it was written by this run (its identity.json equals config.json's), and metrics.jsonl
     holds the start model's evaluation (the rest of the log is in TRL's trainer state)."""
-    cannot = "the run cannot be resumed (nothing was changed)"
     newest = newest_trl_checkpoint(run_dir)
     if newest is None:
         fail(f"argument --resume: {run_dir!r} has no checkpoint-* directory: the run stopped before its first "
@@ -198,11 +204,11 @@ def check_trl_checkpoint(run_dir: str, saved: dict) -> int:
             identity = json.load(f)
     except (OSError, ValueError) as e:
         fail(f"argument --resume: {path} does not record the run's identity ({type(e).__name__}: "
-             f"{first_line(e)}); {cannot}")
-    differ = [key for key, value in saved["identity"].items() if identity.get(key) != value]
+             f"{first_line(e)}); {CANNOT_RESUME}")
+    differ = identity_differences(saved["identity"], identity)
     if differ:
         fail(f"argument --resume: {path} was not written by the run of {run_dir}: its {' and '.join(differ)} "
-             f"differ; {cannot}")
+             f"differ; {CANNOT_RESUME}")
     check_log(os.path.join(run_dir, "metrics.jsonl"), 0, 0)
     return optimizer_step // (saved["args"]["mini_batches"] * saved["args"]["epochs"])
 
@@ -213,10 +219,10 @@ def check_same_run(run_dir: str, identity: dict) -> None:
     refused in one line that names what changed."""
     with open(os.path.join(run_dir, "config.json")) as f:
         saved = json.load(f)["identity"]
-    differ = [key for key, value in saved.items() if identity.get(key) != value]
+    differ = identity_differences(saved, identity)
     if differ:
         fail(f"argument --resume: the {' and '.join(differ)} loaded now differ from the ones {run_dir} started "
-             "with (was the data set or the start model changed?); the run cannot be resumed (nothing was changed)")
+             f"with (was the data set or the start model changed?); {CANNOT_RESUME}")
 
 
 def lock_holder(run_dir: str) -> str | None:
@@ -236,21 +242,20 @@ def check_log(path: str, first_step: int, checkpoint_step: int) -> int:
     """A log --resume can continue: every row a JSON object with an integer step, the steps first_step,
     first_step + 1, ... with no gap and no repeat, up to at least the checkpoint's step. Returns how many
     rows lie after the checkpoint (the resumed run computes them again). Otherwise one line; only reads."""
-    cannot = "the run cannot be resumed (nothing was changed)"
     if not os.path.isfile(path):
-        fail(f"argument --resume: {path} is missing; without it the run's record is incomplete; {cannot}")
+        fail(f"argument --resume: {path} is missing; without it the run's record is incomplete; {CANNOT_RESUME}")
     rows = read_log(path)
     for number, row in enumerate(rows, 1):
         if not (isinstance(row, dict) and type(row.get("step")) is int):
             fail(f"argument --resume: {path}, line {number}: {json.dumps(row)[:60]} is not the row of a step (an "
-                 f"object with an integer step); {cannot}")
+                 f"object with an integer step); {CANNOT_RESUME}")
         if row["step"] != first_step + number - 1:
             fail(f"argument --resume: {path}, line {number}: step {row['step']} where step "
-                 f"{first_step + number - 1} was expected (each step has one row, in order); {cannot}")
+                 f"{first_step + number - 1} was expected (each step has one row, in order); {CANNOT_RESUME}")
     last = first_step + len(rows) - 1
     if last < checkpoint_step:
         fail(f"argument --resume: {path} ends at step {last} but checkpoint.pt is at step {checkpoint_step}: "
-             f"steps are missing from the log; {cannot}")
+             f"steps are missing from the log; {CANNOT_RESUME}")
     return last - checkpoint_step
 
 
