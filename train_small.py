@@ -87,7 +87,8 @@ class Args:
     # --- run ---
     objective: str = "tepo"             # the RL objective; it picks the paper values of the objective settings below
     regime: str = "standard"            # preset of the settings below: standard, or collapse (lr 3e-4); flags win
-    seed: int = 1                       # seeds python, torch, the task split and generation
+    demo: bool = False                  # preset: the two-minute classroom run (README); flags given explicitly win
+    seed: int = 1                       # seeds python, torch and generation; the task too, unless --task-seed is set
     out: str | None = None              # run directory (default: runs/<task>__<objective>__<seed>__<time>)
     device: str = "auto"                # auto: cuda if available, else cpu
     threads: int = 2                    # torch CPU threads (the machine is shared)
@@ -114,6 +115,7 @@ class Args:
     sft_noise: float = 0.5              # built-in task: fraction of warm-up demonstrations that misread the problem
     n_train: int = 4000                 # built-in task: training problems
     n_test: int = 500                   # held-out problems used by evaluation
+    task_seed: int | None = None        # seeds the task and its warm-up (unset: --seed); 1 = the committed start model
     # --- supervised warm-up ---
     warmup_steps: int = 1000            # supervised steps before RL (built-in model; cached); 0 = none
     warmup_lr: float = 2e-3             # warm-up learning rate

@@ -163,6 +163,7 @@ VALID: dict[str, tuple] = {
     "sft_noise": fraction(),
     "n_train": at_least(1),
     "n_test": at_least(1),
+    "task_seed": at_least(0),
     "warmup_steps": at_least(0),
     "warmup_lr": positive(),
     "warmup_batch": at_least(1),
@@ -409,6 +410,10 @@ def compare_entries(args) -> list[tuple[str, dict]]:
 # for entropy: the mean token entropy does not fall in it. At 1e-3 the model breaks outright.
 REGIMES = {"standard": {}, "collapse": {"lr": 3e-4}}
 
+# --demo: the classroom run (README, "A two-minute demonstration"): the committed start model (task seed 1),
+# DEMO_TUNE
+DEMO = {"task_seed": 1, "steps": 60, "eval_every": 20, "pass_k_problems": 50, "lr_warmup_steps": 5}
+
 
 def parse_args(Args, argv=None) -> tuple:
     """Parse and validate the command line. Returns (args, objective overrides from flags).
@@ -416,7 +421,8 @@ def parse_args(Args, argv=None) -> tuple:
     given = vars(build_parser(Args).parse_args(argv))            # only the flags on the command line
     args = Args(**{k: v for k, v in given.items() if k in Args.__dataclass_fields__})
     if not args.resume:
-        args = dataclasses.replace(args, **{k: v for k, v in REGIMES[args.regime].items() if k not in given})
+        preset = {**REGIMES[args.regime], **(DEMO if args.demo else {})}
+        args = dataclasses.replace(args, **{k: v for k, v in preset.items() if k not in given})
     obj_overrides = {k: v for k, v in given.items() if k not in Args.__dataclass_fields__}
     if args.resume:
         saved, checkpoint_step = check_resumable(args.resume, Args, RUN_ONLY_FIELDS)

@@ -13,7 +13,8 @@ from tqdm.auto import tqdm
 
 from tepokit.hub import cannot_load, use_offline_hub_if_unreachable
 from tepokit.rundir import save_pretrained_atomically
-from tepokit.task import format_prompt
+from tepokit.errors import fail
+from tepokit.task import format_prompt, task_seed
 
 END = "<|endoftext|>"   # end of sequence AND padding, as in GPT-2: the end token must still be trained
 
@@ -58,13 +59,50 @@ def builtin_tokenizer(task):
                                 + list(task["test"]["question"]))
 
 
+# What determines the warmed-up built-in model, besides the code: these settings and the task seed.
+WARMUP_SETTINGS = ("arch", "n_layer", "n_embd", "n_head", "difficulty", "ops", "sft_noise", "n_train", "n_test",
+                   "warmup_steps", "warmup_lr", "warmup_batch", "max_prompt_tokens", "max_new_tokens")
+
+
+def warmup_recipe(args) -> dict:
+    """The settings that determine the warm-up, with the task's seed (task_seed) under "seed"."""
+    return {**{k: getattr(args, k) for k in WARMUP_SETTINGS}, "seed": task_seed(args)}
+
+
 def warmup_cache_dir(args) -> str:
     """<--cache-dir>/warmup-<hash of everything that determines the warmed-up weights>."""
-    keys = ("arch", "n_layer", "n_embd", "n_head", "difficulty", "ops", "sft_noise", "n_train", "n_test",
-            "warmup_steps", "warmup_lr", "warmup_batch", "max_prompt_tokens", "max_new_tokens", "seed")
-    blob = json.dumps({k: getattr(args, k) for k in keys if k != "ops" or args.ops != "+-*"} | {"version": 1},
-                      sort_keys=True)
+    recipe = warmup_recipe(args)
+    if recipe["ops"] == "+-*":       # the default was not in the key when it was added; old caches stay valid
+        del recipe["ops"]
+    blob = json.dumps(recipe | {"version": 1}, sort_keys=True)
     return os.path.join(args.cache_dir, "warmup-" + hashlib.sha1(blob.encode()).hexdigest()[:12])
+
+
+# The main command's start model is committed (tepokit/start_model/): the warm-up below, run once with the
+# default settings and task seed 1. A warm-up run on another CPU rounds its sums differently and ends at another
+# model, whose held-out accuracy is anywhere from about 0.18 to 0.32; from these files every machine starts at
+# the same point. Their SHA-256 sums (SHA256SUMS) are checked before they are used.
+START_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "start_model")
+
+
+def committed_start_model(args) -> str | None:
+    """START_MODEL_DIR when the run asks for exactly the warm-up it holds (built-in model and task, the
+    recipe in its recipe.json); None otherwise. A damaged file is refused in one line."""
+    recipe_path = os.path.join(START_MODEL_DIR, "recipe.json")
+    if args.model is not None or args.dataset is not None or not os.path.isfile(recipe_path):
+        return None
+    with open(recipe_path) as f:
+        if json.load(f) != warmup_recipe(args):
+            return None
+    with open(os.path.join(START_MODEL_DIR, "SHA256SUMS")) as f:
+        expected = dict(line.split()[::-1] for line in f if line.strip())
+    for name, digest in expected.items():
+        path = os.path.join(START_MODEL_DIR, name)
+        found = hashlib.sha256(open(path, "rb").read()).hexdigest() if os.path.isfile(path) else "missing"
+        if found != digest:
+            fail(f"the committed start model {path} is damaged (SHA-256 {found[:12]}, expected {digest[:12]}); "
+                 "restore it with: git checkout -- tepokit/start_model")
+    return START_MODEL_DIR
 
 
 def sft_batch(tokenizer, questions, answers, device):
@@ -85,7 +123,7 @@ def sft_batch(tokenizer, questions, answers, device):
 
 def supervised_warmup(model, tokenizer, train_split, args, device):
     """A short supervised phase so the policy starts with partial accuracy (RL needs some reward)."""
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(task_seed(args))
     opt = torch.optim.AdamW(model.parameters(), lr=args.warmup_lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.9 * s / max(1, args.warmup_steps))
     model.train()
@@ -106,16 +144,21 @@ def supervised_warmup(model, tokenizer, train_split, args, device):
 
 
 def prepare_start_model(args, task, device) -> str:
-    """The directory or id RL starts from: --model, or the warmed-up built-in model (cached)."""
+    """The directory or id RL starts from: --model, the committed start model, or the warmed-up built-in
+    model (cached)."""
     if args.model is not None:
         return args.model
+    committed = committed_start_model(args)
+    if committed is not None:
+        print(f"start model: {os.path.relpath(committed)} (committed; the same on every machine)")
+        return committed
     cache = warmup_cache_dir(args)
     if os.path.exists(os.path.join(cache, "config.json")):
         print(f"warm-up model: {cache} (cached)")
         return cache
     print(f"warm-up model: {args.warmup_steps} supervised steps, then cached in {cache}")
     tokenizer = builtin_tokenizer(task)
-    torch.manual_seed(args.seed)
+    torch.manual_seed(task_seed(args))
     model = build_tiny_model(args, tokenizer).to(device)
     if args.warmup_steps > 0:
         supervised_warmup(model, tokenizer, task["train"], args, device)

@@ -74,10 +74,17 @@ def worked_answer(a: int, op: str, b: int) -> str:
     return f"{a}{op}{b}={c}\n#### {c}"
 
 
+def task_seed(args) -> int:
+    """The seed of the data (the built-in task and its warm-up, or a data set's held-out split): --task-seed,
+    or --seed when it is not given, so that every seed has its own task unless one is fixed."""
+    return args.seed if args.task_seed is None else args.task_seed
+
+
 def load_task(args):
     """A DatasetDict with train/test splits of question/answer records."""
     if args.dataset is None:
-        return make_arithmetic_task(args.difficulty, args.n_train, args.n_test, args.seed, args.ops, args.sft_noise)
+        return make_arithmetic_task(args.difficulty, args.n_train, args.n_test, task_seed(args), args.ops,
+                                    args.sft_noise)
     import datasets
     path = os.path.expanduser(args.dataset)
     offline_reason = None if os.path.exists(path) else use_offline_hub_if_unreachable()
@@ -103,7 +110,8 @@ def load_task(args):
         if len(data["train"]) < 10:
             fail(f"dataset {args.dataset!r} has {len(data['train'])} rows and no test split; need at least 10 "
                  "rows (a fifth is held out)")
-        data = data["train"].train_test_split(test_size=min(args.n_test, len(data["train"]) // 5), seed=args.seed)
+        data = data["train"].train_test_split(test_size=min(args.n_test, len(data["train"]) // 5),
+                                              seed=task_seed(args))
     return data
 
 

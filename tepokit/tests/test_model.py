@@ -1,13 +1,19 @@
 """tepokit/model.py: the built-in tokenizer, loading a model (end tokens, dropout off), the warm-up cache."""
 import dataclasses
 import os
+import shutil
 from pathlib import Path
 
+import pytest
 import torch
+from transformers import AutoTokenizer
 
 import train_small as ts
+from tepokit import model as model_module
 from tepokit.forward import completion_logits
-from tepokit.model import build_char_tokenizer, eos_ids_of, load_policy, prepare_start_model, warmup_cache_dir
+from tepokit.model import (START_MODEL_DIR, build_char_tokenizer, builtin_tokenizer, committed_start_model,
+                           eos_ids_of, load_policy, prepare_start_model, warmup_cache_dir)
+from tepokit.task import load_task
 from tepokit.tests.helpers import micro_run, hand_batch
 
 
@@ -73,7 +79,7 @@ def test_dropout_settings_are_off_also_in_train_mode_with_checkpointing(tmp_path
 
 
 def test_cache_dir_flag_places_and_prints_the_warm_up_cache(tmp_path, capsys):
-    args = ts.Args(cache_dir=str(tmp_path / "my-cache"))
+    args = ts.Args(cache_dir=str(tmp_path / "my-cache"), seed=2)     # seed 1 would take the committed model
     cache = warmup_cache_dir(args)
     assert cache.startswith(str(tmp_path / "my-cache" / "warmup-"))
     assert warmup_cache_dir(dataclasses.replace(args, cache_dir="elsewhere")).endswith(os.path.basename(cache))
@@ -81,3 +87,29 @@ def test_cache_dir_flag_places_and_prints_the_warm_up_cache(tmp_path, capsys):
     Path(cache, "config.json").write_text("{}")
     assert prepare_start_model(args, None, torch.device("cpu")) == cache
     assert cache in capsys.readouterr().out
+
+
+def test_main_command_starts_from_the_committed_model_and_checks_its_files(tmp_path, monkeypatch, capsys):
+    """The default settings (task seed 1) take tepokit/start_model/, whose tokenizer is the built-in task's;
+    any other recipe (another task seed, another warm-up) does not; a changed byte is refused in one line."""
+    args = ts.Args(cache_dir=str(tmp_path / "cache"))
+    assert prepare_start_model(args, None, torch.device("cpu")) == START_MODEL_DIR
+    assert "committed" in capsys.readouterr().out
+    vocab = AutoTokenizer.from_pretrained(START_MODEL_DIR).get_vocab()
+    assert vocab == builtin_tokenizer(load_task(args)).get_vocab()
+    assert committed_start_model(dataclasses.replace(args, seed=2, task_seed=1)) == START_MODEL_DIR
+    for other in (dict(seed=2), dict(task_seed=3), dict(warmup_steps=999), dict(sft_noise=0.4), dict(n_test=400)):
+        assert committed_start_model(dataclasses.replace(args, **other)) is None, other
+    assert not os.path.exists(tmp_path / "cache")                   # nothing was warmed up or cached
+    damaged = tmp_path / "start_model"
+    shutil.copytree(START_MODEL_DIR, damaged)
+    weights = damaged / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    monkeypatch.setattr(model_module, "START_MODEL_DIR", str(damaged))
+    with pytest.raises(SystemExit) as exit_info:
+        committed_start_model(args)
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err.strip()
+    assert "model.safetensors is damaged" in message and "\n" not in message
