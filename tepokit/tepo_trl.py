@@ -29,8 +29,9 @@ Logged metrics combine the processes' micro-batches (token means weigh each proc
     trainer.train()
 
 `python train_small.py --engine trl` runs the built-in task (or --model / --dataset) through it
-(`train` below); `accelerate launch train_small.py --engine trl ...` is the scale-out command
-(docs/scaling-out.md).
+(`train` below); `accelerate launch --num_processes N train_small.py --engine trl ...` is the scale-out
+command on N GPUs (docs/scaling-out.md), `torchrun --nproc_per_node N train_small.py --engine trl ...` the
+same on GPUs or CPUs (accelerate's --cpu launches one process unless it goes through MPI).
 """
 
 from __future__ import annotations

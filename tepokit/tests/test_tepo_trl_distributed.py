@@ -1,6 +1,7 @@
 """tepokit/tepo_trl.py in two processes (torchrun, gloo, CPU) against one process on the same global batch
 (tepokit/tests/fixed_batch_step.py): one optimizer step gives the same loss and parameters, and the logged
 metrics are those of the global batch; a token count that is not gathered over processes breaks it."""
+import json
 import os
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from tepokit.tests.fixed_batch_step import expected_reward_mean, one_step, save_tiny_model
-from tepokit.tests.helpers import REPO
+from tepokit.tests.helpers import MICRO, REPO, SCRIPT
 
 # objective -> rows per micro-batch of its one-process reference. TEPO's mask (entropy_criterion="cov") reads
 # the statistics of the micro-batch, per process as in verl: its reference accumulates the two processes'
@@ -38,18 +39,23 @@ def one_process(model_dir, tmp_path_factory):
             for objective, micro_batch in REFERENCE_MICRO_BATCH.items()}
 
 
-@pytest.fixture(scope="module")
-def two_processes(model_dir, tmp_path_factory):
-    """One torchrun launch for every case (torch and TRL are imported once per process). --standalone
-    picks a free port for the rendezvous."""
-    out = str(tmp_path_factory.mktemp("two_processes"))
-    cases = [*REFERENCE_MICRO_BATCH, PER_RANK_TOKEN_COUNT]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "tepokit.tests.fixed_batch_step", model_dir, out, *cases]
+def torchrun_two_processes(argv, cwd):
+    """`torchrun --standalone --nproc_per_node 2 <argv>` on the CPU (gloo); --standalone picks a free port for
+    the rendezvous. Bounded: a process that waits for a dead peer would otherwise hang the tests."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *argv]
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def two_processes(model_dir, tmp_path_factory):
+    """One launch for every case: torch and TRL are imported once per process."""
+    out = str(tmp_path_factory.mktemp("two_processes"))
+    cases = [*REFERENCE_MICRO_BATCH, PER_RANK_TOKEN_COUNT]
+    torchrun_two_processes(["-m", "tepokit.tests.fixed_batch_step", model_dir, out, *cases], cwd=REPO)
     return {case: torch.load(os.path.join(out, case.replace(":", "_") + ".pt"), weights_only=False) for case in cases}
 
 
@@ -97,3 +103,17 @@ def test_a_per_process_token_count_breaks_the_step(one_process, two_processes):
     one, two = one_process["tepo"], two_processes[PER_RANK_TOKEN_COUNT]
     assert (two["params"] - one["params"]).abs().max().item() > 100 * PARAMETER_ATOL
     assert two["log"]["loss"] != pytest.approx(one["log"]["loss"], rel=1e-4)
+
+
+def test_train_small_engine_trl_under_torchrun_is_one_run_in_two_processes(tmp_path):
+    """The scale-out command on the CPU: one run (one summary, one log), whose rollout of 2 x 4 completions is
+    split into 4 rows per process. (Before accelerate was told cpu=True, each process ran alone as process 0
+    and the second was refused the run directory the first held.) No warm-up: only the processes matter."""
+    pytest.importorskip("trl")
+    done = torchrun_two_processes([SCRIPT, *MICRO, "--warmup-steps", "0", "--engine", "trl", "--objective", "tepo",
+                                   "--steps", "1", "--save-every", "100", "--out", "runs/two"], cwd=tmp_path)
+    assert done.stdout.count("held-out accuracy") == 1
+    trl_config = json.load(open(tmp_path / "runs" / "two" / "config.json"))["grpo_config"]
+    assert trl_config["per_device_train_batch_size"] * trl_config["steps_per_generation"] == 4
+    rows = [json.loads(line) for line in open(tmp_path / "runs" / "two" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1] and "reward" in rows[1] and "eval/accuracy" in rows[1]
