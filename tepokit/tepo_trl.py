@@ -142,9 +142,11 @@ class TepoGRPOTrainer(GRPOTrainer):
         old_logp = inputs.get("old_per_token_logps")
         old_logp = logp.detach() if old_logp is None else old_logp
         # Counts over the whole optimizer step, as TRL's dapo / grpo losses use them: the sum of the
-        # micro-batch gradients is then the gradient of the whole step (and, averaged over processes
-        # by DDP, of the global batch). num_items_in_batch counts the tokens of the generation batch
-        # on all processes; one optimizer step sees accumulation / steps_per_generation of it.
+        # micro-batch gradients is then the gradient of the whole step. Both are the global step's counts
+        # divided by the P processes, because DDP averages the P gradients: the result is each process's
+        # sum over the global count. num_items_in_batch counts the tokens of the generation batch on all
+        # processes (gathered by TRL); one optimizer step sees accumulation / steps_per_generation of it.
+        # Every process holds the same number of rows, so rows x accumulation is the global count / P.
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         num_tokens = inputs["num_items_in_batch"] / self.accelerator.num_processes

@@ -1,8 +1,7 @@
 """One optimizer step of TepoGRPOTrainer on a fixed global batch, in one process or in each process of a
 torchrun launch (test_tepo_trl_distributed.py compares the two):
 
-    torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port PORT \\
-        -m tepokit.tests.fixed_batch_step MODEL_DIR OUT_DIR tepo dapo
+    torchrun --standalone --nproc_per_node 2 -m tepokit.tests.fixed_batch_step MODEL_DIR OUT_DIR tepo grpo
 
 The global batch is the same whatever the number of processes: 2 prompts x 4 completions whose tokens are
 fixed per (prompt, index in the group) (FixedBatchTrainer's rollout), rewards computed from them, and old
@@ -13,7 +12,6 @@ micro-batches of 4 rows then sees exactly the rows that 2 processes see, one mic
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import warnings
 from unittest import mock
@@ -98,7 +96,7 @@ def build_trainer(model_dir: str, objective: str, out_dir: str, micro_batch: int
             rows = self.accelerator.process_index * logp.size(0) + torch.arange(logp.size(0))
             noise = torch.randn(ROWS, MAX_COMPLETION, generator=torch.Generator().manual_seed(7))
             output["old_per_token_logps"] = logp + OLD_LOGP_NOISE * noise[rows, :logp.size(1)]
-            if per_rank_token_count:          # the adapter divides by the processes; undo it for this count
+            if per_rank_token_count:   # this process's tokens as if they were all processes' (the adapter / P)
                 output["num_items_in_batch"] = output["completion_mask"].sum() * self.accelerator.num_processes
             return output
 
@@ -128,7 +126,7 @@ def one_step(model_dir: str, objective: str, out_dir: str, micro_batch: int | No
     """Train one optimizer step; returns the parameters after it, TRL's log row and the micro-batch metrics."""
     trainer = build_trainer(model_dir, objective, out_dir, micro_batch, per_rank_token_count)
     keep_order = mock.patch("trl.trainer.grpo_trainer.shuffle_sequence_dict", lambda batch: batch)
-    with keep_order, contextlib.redirect_stdout(open(os.devnull, "w")):
+    with keep_order:
         trainer.train()
     params = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
     return {"params": params, "log": trainer.state.log_history[0], "micro_batches": trainer.logged_micro_batches}
@@ -140,7 +138,6 @@ def main(argv=None) -> None:
     parser.add_argument("out_dir", help="<out_dir>/<case>.pt is written by process 0")
     parser.add_argument("cases", nargs="+", help="an objective, or <objective>:per_rank_token_count")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
     for case in args.cases:
         objective, _, variant = case.partition(":")
         result = one_step(args.model_dir, objective, os.path.join(args.out_dir, "trainer"),
