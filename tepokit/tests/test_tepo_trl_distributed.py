@@ -12,11 +12,12 @@ import torch
 from tepokit.tests.fixed_batch_step import expected_reward_mean, one_step, save_tiny_model
 from tepokit.tests.helpers import MICRO, REPO, SCRIPT
 
-# objective -> rows per micro-batch of its one-process reference. TEPO's mask (entropy_criterion="cov") reads
-# the statistics of the micro-batch, per process as in verl: its reference accumulates the two processes'
-# micro-batches of 4 rows. DAPO (token-mean) and GRPO (per-sequence mean, reference log-probs) have no batch
-# statistic: their reference is the whole batch in one micro-batch, which also tests the counts.
-REFERENCE_MICRO_BATCH = {"tepo": 4, "dapo": 8, "grpo": 8}
+# objective -> rows per micro-batch of its one-process reference. TEPO (token-mean) reads the statistics of
+# the micro-batch in its mask (entropy_criterion="cov"), per process as in verl: its reference accumulates
+# the two processes' micro-batches of 4 rows. GRPO (per-sequence mean, reference log-probs) has no batch
+# statistic: its reference is the whole batch in one micro-batch. (Token counts of a micro-batch in place of
+# the step's are caught in one process, by test_tepo_trl.py's parity with TRL's dapo loss.)
+REFERENCE_MICRO_BATCH = {"tepo": 4, "grpo": 8}
 PER_RANK_TOKEN_COUNT = "tepo:per_rank_token_count"
 PARAMETER_ATOL = 1e-6                          # float32; measured differences are about 2e-9
 # the loss is a sum of terms of either sign (about 0.05 each) and can be near 0: an absolute float32 bound too
@@ -76,7 +77,7 @@ def test_two_processes_make_the_one_process_step(objective, model_dir, one_proce
     assert (two["params"] - one["params"]).abs().max().item() < PARAMETER_ATOL
     assert two["log"]["loss"] == pytest.approx(one["log"]["loss"], **LOSS_TOLERANCE)
     # the logged loss parts are the step's, whatever the split into processes and micro-batches
-    beta = {"tepo": 1.0, "dapo": 0.0, "grpo": 0.04}[objective]
+    beta = {"tepo": 1.0, "grpo": 0.04}[objective]
     for log in (one["log"], two["log"]):
         assert log["pg_loss"] + beta * log["kl_loss"] == pytest.approx(log["loss"], **LOSS_TOLERANCE)
     # rewards are gathered before advantages: the mean over all 8 rows (the two groups' means are 0.75, 1.25)
@@ -96,6 +97,15 @@ def test_two_processes_make_the_one_process_step(objective, model_dir, one_proce
         assert two["log"]["clip_ratio/region_mean"] != pytest.approx(one["log"]["clip_ratio/region_mean"], rel=1e-3)
         assert 0 < two["log"]["kl_mask/frac"] < 1 and 0 < two["log"]["clip_ratio/region_mean"] < 1   # both act
         assert two["log"]["kl_mask/frac"] == pytest.approx(token_weighted(one["micro_batches"], "kl_mask/frac"))
+
+
+def test_tepo_mask_reads_each_process_micro_batch_not_the_global_batch(model_dir, two_processes, tmp_path):
+    """The documented choice (tepo_trl's docstring): with the whole batch in one micro-batch, the covariance
+    means of TEPO's mask are the global batch's, the mask and so the update differ from two processes'."""
+    whole = one_step(model_dir, "tepo", str(tmp_path), micro_batch=8)
+    two = two_processes["tepo"]
+    assert whole["log"]["kl_mask/frac"] != pytest.approx(two["log"]["kl_mask/frac"], rel=1e-3)
+    assert (whole["params"] - two["params"]).abs().max().item() > 100 * PARAMETER_ATOL
 
 
 def test_a_per_process_token_count_breaks_the_step(one_process, two_processes):
