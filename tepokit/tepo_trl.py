@@ -12,6 +12,14 @@ with the token / sequence counts of the whole optimizer step (exact gradient acc
 tepo.aggregate_loss), plus the one input TRL does not compute: the rollout entropy, for TEPO's
 `entropy_criterion="measured"` (tepo.needs_entropy).
 
+Several processes (tepokit/tests/test_tepo_trl_distributed.py runs two): rewards are gathered, so group
+advantages and the logged reward are those of all rows; the loss is normalised by the token / sequence
+counts of the global optimizer step, so the update of P processes equals one process accumulating the
+same P micro-batches. The batch statistics inside an objective (TEPO's `entropy_criterion="cov"` means,
+Clip-Cov / KL-Cov token selection and its counts, MPO's block-mean) are those of the micro-batch one process
+sees, as in verl, with no communication inside the loss; they therefore depend on the micro-batch size.
+Logged metrics combine the processes' micro-batches (token means weigh each process by its tokens).
+
     import tepo
     from tepokit.tepo_trl import TepoGRPOTrainer, grpo_config
     cfg = tepo.config_for("tepo")                      # paper defaults; any field can be overridden
@@ -21,8 +29,9 @@ tepo.aggregate_loss), plus the one input TRL does not compute: the rollout entro
     trainer.train()
 
 `python train_small.py --engine trl` runs the built-in task (or --model / --dataset) through it
-(`train` below); `accelerate launch train_small.py --engine trl ...` is the scale-out command
-(docs/scaling-out.md).
+(`train` below); `accelerate launch --num_processes N train_small.py --engine trl ...` is the scale-out
+command on N GPUs (docs/scaling-out.md), `torchrun --nproc_per_node N train_small.py --engine trl ...` the
+same on GPUs or CPUs (accelerate's --cpu launches one process unless it goes through MPI).
 """
 
 from __future__ import annotations
@@ -58,6 +67,16 @@ TRL_LOSS_SWITCHES = {"top_entropy_quantile": 1.0, "entropy_coef": 0.0, "use_adap
 # tepo metric -> TRL's name for the same quantity (clip_ratio/* already share TRL's names). tepo's
 # "loss" is not logged: the Trainer logs the loss it back-propagated.
 TRL_METRIC_NAMES = {"kl_ref": "kl"}
+
+# How a metric of one micro-batch combines over processes into the value of all processes' micro-batches
+# taken together (TepoGRPOTrainer._log_across_processes). Not named here: a mean over valid tokens
+# (clip_ratio/*_mean, ratio/mean, kl_old/*, kl, kl_mask/*, cov/mean, entropy), so each process weighs by its
+# valid tokens, as TRL's own metrics do; a mean of per-process means is off whenever lengths differ.
+# pg_loss / kl_loss are already normalised by the global counts (each process holds 1/P of the sum);
+# on_policy is a per-micro-batch flag, so its mean is the fraction of on-policy micro-batches.
+LOSS_PARTS = ("pg_loss", "kl_loss")
+MEAN_OVER_PROCESSES = (*LOSS_PARTS, "on_policy")
+SUM_OVER_PROCESSES = ("cov/n_selected",)
 
 
 def grpo_config(objective: str, cfg: tepo.ObjectiveConfig, **trl_settings) -> GRPOConfig:
@@ -123,9 +142,11 @@ class TepoGRPOTrainer(GRPOTrainer):
         old_logp = inputs.get("old_per_token_logps")
         old_logp = logp.detach() if old_logp is None else old_logp
         # Counts over the whole optimizer step, as TRL's dapo / grpo losses use them: the sum of the
-        # micro-batch gradients is then the gradient of the whole step (and, averaged over processes
-        # by DDP, of the global batch). num_items_in_batch counts the tokens of the generation batch
-        # on all processes; one optimizer step sees accumulation / steps_per_generation of it.
+        # micro-batch gradients is then the gradient of the whole step. Both are the global step's counts
+        # divided by the P processes, because DDP averages the P gradients: the result is each process's
+        # sum over the global count. num_items_in_batch counts the tokens of the generation batch on all
+        # processes (gathered by TRL); one optimizer step sees accumulation / steps_per_generation of it.
+        # Every process holds the same number of rows, so rows x accumulation is the global count / P.
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         num_tokens = inputs["num_items_in_batch"] / self.accelerator.num_processes
@@ -136,22 +157,36 @@ class TepoGRPOTrainer(GRPOTrainer):
             logp, old_logp, inputs["advantages"], mask, cfg, ref_logp=inputs.get("ref_per_token_logps"),
             entropy=entropy, old_entropy=inputs.get("old_entropy"), num_tokens=num_tokens,
             num_seqs=logp.size(0) * accumulation)
-        if self.objective == "mpo" and cfg.block_agg == "block-mean":
+        own_blocks = self.objective == "mpo" and cfg.block_agg == "block-mean"
+        if own_blocks:
             loss = loss / accumulation     # MPO's block-mean counts this micro-batch's blocks only
         if self.aux_loss_enabled:          # MoE load balancing, as in TRL
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
+        if not own_blocks:   # a micro-batch's share of the step's loss parts; TRL averages the micro-steps
+            metrics = {k: v * accumulation if k in LOSS_PARTS else v for k, v in metrics.items()}
         metrics = {TRL_METRIC_NAMES.get(k, k): v for k, v in metrics.items() if k != "loss"}
         metrics["entropy"] = tepo.masked_mean(entropy.detach(), mask).item()
-        self._log_across_processes(metrics, mode)
+        self._log_across_processes(metrics, mode, valid_tokens=mask.sum().item())
         return loss
 
-    def _log_across_processes(self, metrics: dict, mode: str) -> None:
-        """Mean over processes (min / max for ratio/min, ratio/max); TRL averages over the log window."""
-        device = self.accelerator.device
-        gathered = self.accelerator.gather(torch.tensor(list(metrics.values()), device=device))
-        for name, column in zip(metrics, gathered.view(-1, len(metrics)).T):
-            reduce = torch.amin if name.endswith("/min") else torch.amax if name.endswith("/max") else torch.mean
-            self._metrics[mode][name].append(reduce(column).item())
+    def _log_across_processes(self, metrics: dict, mode: str, valid_tokens: float) -> None:
+        """Each metric of this micro-batch combined with the other processes' (MEAN_OVER_PROCESSES says
+        how); TRL then averages the micro-steps of the log window."""
+        local = torch.tensor([*metrics.values(), valid_tokens], dtype=torch.float64, device=self.accelerator.device)
+        gathered = self.accelerator.gather(local).view(-1, len(metrics) + 1)       # [processes, metrics + 1]
+        weights = gathered[:, -1]
+        for name, column in zip(metrics, gathered[:, :-1].T):
+            if name.endswith("/min"):
+                value = column.amin()
+            elif name.endswith("/max"):
+                value = column.amax()
+            elif name in SUM_OVER_PROCESSES:
+                value = column.sum()
+            elif name in MEAN_OVER_PROCESSES:
+                value = column.mean()
+            else:
+                value = (column * weights).sum() / weights.sum().clamp(min=1)
+            self._metrics[mode][name].append(value.item())
 
 
 # =====================================================================================================
@@ -233,7 +268,9 @@ def train(args, obj_overrides: dict, evaluate) -> dict:
     import datasets
     from accelerate import PartialState
 
-    state = PartialState()
+    # cpu=True when CUDA is absent: otherwise accelerate sees no distributed CPU launch and every process
+    # started by torchrun would run alone, as process 0, into the same run directory
+    state = PartialState(cpu=args.device == "cpu" or not torch.cuda.is_available())
     try:
         settings = trl_settings(args, state.num_processes)
     except ValueError as e:
