@@ -572,7 +572,8 @@ def _prepare(logp, old_logp, advantages, mask, cfg, **optional):
         on the rows with at least one valid token.
     Padding (mask 0) may hold anything: it reaches neither the loss, nor the gradient, nor a metric
     (test_tepo.py, property 43). Valid inputs pass unchanged. The checks cost one reduction per
-    tensor when every value is finite; the masked count is made only to word the error.
+    tensor (two for a float mask) when every value is finite; the masked count is made only to word
+    the error.
     """
     check_config(cfg)
     if logp.dim() != 2:
@@ -600,29 +601,40 @@ def _prepare(logp, old_logp, advantages, mask, cfg, **optional):
 def _checked_mask(mask: torch.Tensor) -> torch.Tensor:
     """The mask as bool [B, T]; a value other than 0 / 1 (0.5, 2, NaN) raises a ValueError.
 
-    mask.bool() would read 0.5 as 1 and train a token the caller meant to half-weigh.
+    mask.bool() would read 0.5 as 1 and train a token the caller meant to half-weigh. The test is
+    two reductions, not an elementwise comparison (several times slower): every value lies in
+    [0, 1], and for floats sum m (1 - m) = 0, a sum of terms >= 0 that is 0 only when each m is 0 or 1.
     """
-    if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
+    if mask.dtype == torch.bool or mask.numel() == 0:
+        return mask.bool()
+    low, high = torch.aminmax(mask)                                         # NaN gives NaN: refused
+    zero_one = bool(low >= 0) and bool(high <= 1)
+    if zero_one and mask.is_floating_point():
+        flat = mask.reshape(-1)
+        zero_one = bool(torch.dot(flat, 1 - flat) == 0)
+    if not zero_one:
         bad = ~((mask == 0) | (mask == 1))
-        first = mask[bad][0].item()
-        raise ValueError(f"mask: {int(bad.sum())} values other than 0 and 1 (e.g. {first!r}); choose a bool "
-                         f"mask or 0/1 values (1 = the token is trained)")
+        raise ValueError(f"mask: {int(bad.sum())} values other than 0 and 1 (e.g. {mask[bad][0].item()!r}); "
+                         f"choose a bool mask or 0/1 values (1 = the token is trained)")
     return mask.bool()
 
 
 def _check_finite_where_valid(name: str, tensor: torch.Tensor, valid: torch.Tensor) -> bool:
     """ValueError if `tensor` ([B, T], or [B] per sequence) holds NaN or inf where valid is True;
     returns whether every value is finite (False: some padding holds NaN or inf)."""
-    if bool(torch.isfinite(tensor).all()):      # the usual case: one reduction, no mask needed
+    values = tensor.detach()
+    # The usual case in one fast reduction: a sum is finite only if every term is. A finite sum
+    # too large for the dtype also lands in the exact test below, which is correct, only slower.
+    if bool(torch.isfinite(values.sum(dtype=torch.promote_types(values.dtype, torch.float32)))):
         return True
-    used = valid if tensor.dim() == 2 else valid.any(-1)                    # [B, T] or [B]
-    bad = used & ~torch.isfinite(tensor.detach())
+    used = valid if values.dim() == 2 else valid.any(-1)                    # [B, T] or [B]
+    bad = used & ~torch.isfinite(values)
     if bool(bad.any()):
         where = [int(i) for i in bad.nonzero()[0]]
         raise ValueError(f"{name}: {int(bad.sum())} non-finite values where mask is 1 (e.g. "
-                         f"{tensor.detach()[tuple(where)].item()} at {where}); pass finite values at every "
+                         f"{values[tuple(where)].item()} at {where}); pass finite values at every "
                          f"trained position (padding, mask 0, may hold anything)")
-    return False
+    return bool(torch.isfinite(values).all())
 
 
 def _finite_or_zero(advantages: torch.Tensor) -> torch.Tensor:

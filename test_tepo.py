@@ -1845,6 +1845,17 @@ def test_count_of_bad_values_and_valid_mask_dtypes(name):
     assert losses[0] != 0 and losses == [losses[0]] * 4
 
 
+@pytest.mark.parametrize("dtype,value", [(F64, 0.5), (F64, 1e-300), (F64, 1 - 2 ** -52), (F64, 2.0), (F64, -1.0),
+                                         (F64, float("nan")), (torch.float32, 0.5), (torch.float16, 0.999),
+                                         (torch.bfloat16, 0.5), (torch.long, 2), (torch.long, -1)])
+def test_mask_values_other_than_zero_and_one_are_refused_in_every_dtype(dtype, value):
+    x = make_inputs(B=3, T=4, lengths=[4, 2, 3], seed=65)
+    mask = x.mask.to(dtype)
+    mask[1, 3] = value                                                      # a padded position
+    with pytest.raises(ValueError, match=rf"^mask: 1 values other than 0 and 1 \(e\.g\. "):
+        run("dapo", x.logp, x.old, x.adv, mask, cfg("dapo"))
+
+
 @pytest.mark.parametrize("name,ov", SWEEP, ids=SWEEP_IDS)
 def test_nonfinite_advantages_and_tensors_at_padding_are_accepted_and_change_nothing(name, ov):
     """Property 43 for the advantages: inf in a per-token advantage at padding, and NaN as the
