@@ -12,8 +12,8 @@ import torch
 from tqdm.auto import tqdm
 
 from tepokit.hub import cannot_load, use_offline_hub_if_unreachable
-from tepokit.rundir import save_pretrained_atomically
-from tepokit.task import format_prompt
+from tepokit.rundir import lock_file, save_pretrained_atomically
+from tepokit.task import format_prompt, task_fingerprint
 
 END = "<|endoftext|>"   # end of sequence AND padding, as in GPT-2: the end token must still be trained
 
@@ -58,13 +58,25 @@ def builtin_tokenizer(task):
                                 + list(task["test"]["question"]))
 
 
-def warmup_cache_dir(args) -> str:
-    """<--cache-dir>/warmup-<hash of everything that determines the warmed-up weights>."""
+def warmup_cache_dir(args, task, tokenizer) -> str:
+    """<--cache-dir>/warmup-<hash of everything that determines the warmed-up weights>: the settings, the
+    data's identity (task_fingerprint: a run on the user's JSONL never meets the built-in task's entry)
+    and the tokenizer's vocabulary (the embedding rows mean its tokens)."""
     keys = ("arch", "n_layer", "n_embd", "n_head", "difficulty", "ops", "sft_noise", "n_train", "n_test",
             "warmup_steps", "warmup_lr", "warmup_batch", "max_prompt_tokens", "max_new_tokens", "seed")
-    blob = json.dumps({k: getattr(args, k) for k in keys if k != "ops" or args.ops != "+-*"} | {"version": 1},
-                      sort_keys=True)
+    vocabulary = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:16]
+    blob = json.dumps({k: getattr(args, k) for k in keys if k != "ops" or args.ops != "+-*"}
+                      | {"data": task_fingerprint(task), "tokenizer": vocabulary, "version": 2}, sort_keys=True)
     return os.path.join(args.cache_dir, "warmup-" + hashlib.sha1(blob.encode()).hexdigest()[:12])
+
+
+# A cache entry is complete when it holds these: save_pretrained_atomically makes it appear whole, but a
+# directory copied or written by other means may not be.
+WARMUP_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
+def is_complete_warmup(cache: str) -> bool:
+    return all(os.path.isfile(os.path.join(cache, name)) for name in WARMUP_FILES)
 
 
 def sft_batch(tokenizer, questions, answers, device):
@@ -106,20 +118,33 @@ def supervised_warmup(model, tokenizer, train_split, args, device):
 
 
 def prepare_start_model(args, task, device) -> str:
-    """The directory or id RL starts from: --model, or the warmed-up built-in model (cached)."""
+    """The directory or id RL starts from: --model, or the warmed-up built-in model (cached).
+
+    The cache entry is written under an OS lock on <entry>.lock (as a run directory is, tepokit/rundir.py):
+    two runs sharing --cache-dir never warm the same entry at once; the second waits, then finds the
+    entry. The entry is written to a temporary directory and renamed, so it is whole or absent.
+    """
     if args.model is not None:
         return args.model
-    cache = warmup_cache_dir(args)
-    if os.path.exists(os.path.join(cache, "config.json")):
+    tokenizer = builtin_tokenizer(task)
+    cache = warmup_cache_dir(args, task, tokenizer)
+    if is_complete_warmup(cache):
         print(f"warm-up model: {cache} (cached)")
         return cache
-    print(f"warm-up model: {args.warmup_steps} supervised steps, then cached in {cache}")
-    tokenizer = builtin_tokenizer(task)
-    torch.manual_seed(args.seed)
-    model = build_tiny_model(args, tokenizer).to(device)
-    if args.warmup_steps > 0:
-        supervised_warmup(model, tokenizer, task["train"], args, device)
-    save_pretrained_atomically(model.cpu(), tokenizer, cache)
+    os.makedirs(args.cache_dir, exist_ok=True)
+    lock = lock_file(cache + ".lock", f"the warm-up cache {cache}", wait=True)
+    try:
+        if is_complete_warmup(cache):       # another run wrote it while we waited for the lock
+            print(f"warm-up model: {cache} (cached)")
+            return cache
+        print(f"warm-up model: {args.warmup_steps} supervised steps, then cached in {cache}")
+        torch.manual_seed(args.seed)
+        model = build_tiny_model(args, tokenizer).to(device)
+        if args.warmup_steps > 0:
+            supervised_warmup(model, tokenizer, task["train"], args, device)
+        save_pretrained_atomically(model.cpu(), tokenizer, cache)
+    finally:
+        lock.close()
     return cache
 
 
