@@ -79,11 +79,17 @@ def is_complete_warmup(cache: str) -> bool:
     return all(os.path.isfile(os.path.join(cache, name)) for name in WARMUP_FILES)
 
 
-def sft_batch(tokenizer, questions, answers, device):
-    """Prompt + answer + end token, right-padded; labels only on answer and end tokens."""
+def sft_batch(tokenizer, questions, answers, device, max_prompt_tokens: int | None = None):
+    """Prompt + answer + end token, right-padded; labels only on answer and end tokens.
+
+    A prompt longer than max_prompt_tokens is cut from the left, as generation cuts it: load_task has
+    already left such questions out, and this bound keeps a batch's width, and so its memory, within
+    the budget whatever split it is given.
+    """
     rows = []
     for q, a in zip(questions, answers):
         p = tokenizer(format_prompt(q)).input_ids
+        p = p[-max_prompt_tokens:] if max_prompt_tokens else p
         c = tokenizer(a, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
         rows.append((p + c, [-100] * len(p) + c))
     width = max(len(ids) for ids, _ in rows)
@@ -106,7 +112,7 @@ def supervised_warmup(model, tokenizer, train_split, args, device):
         idx = torch.randint(len(train_split), (args.warmup_batch,), generator=gen).tolist()
         rows = train_split.select(idx)
         demos = rows["demonstration"] if "demonstration" in rows.column_names else rows["answer"]
-        ids, attn, labels = sft_batch(tokenizer, list(rows["question"]), list(demos), device)
+        ids, attn, labels = sft_batch(tokenizer, list(rows["question"]), list(demos), device, args.max_prompt_tokens)
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -13,7 +13,7 @@ import train_small as ts
 from tepokit.cli import parse_args
 from tepokit.forward import completion_logits
 from tepokit.model import (WARMUP_FILES, build_char_tokenizer, builtin_tokenizer, eos_ids_of, is_complete_warmup,
-                           load_policy, prepare_start_model, warmup_cache_dir)
+                           load_policy, prepare_start_model, sft_batch, warmup_cache_dir)
 from tepokit.rundir import lock_file
 from tepokit.task import load_task
 from tepokit.tests.helpers import MICRO, REPO, hand_batch, micro_run, wait_until
@@ -160,3 +160,16 @@ def test_a_half_written_entry_or_temporary_directory_is_never_taken_as_the_cache
     assert is_complete_warmup(cache)
     model, _ = load_policy(cache, args, torch.device("cpu"))
     assert model.config.n_embd == 32
+
+
+def test_warm_up_batches_cut_an_over_long_prompt_from_the_left_to_the_budget():
+    """Whatever split the warm-up is given, a batch is at most max_prompt_tokens + answer + end token wide:
+    the prompt keeps its end (the question asked), as generation's left truncation does."""
+    tok = build_char_tokenizer(["0123456789 What is it?\n#"])
+    question, answer = "1" * 50_000 + " What is it?", "#### 1"
+    ids, attn, labels = sft_batch(tok, [question, "What?"], [answer, answer], torch.device("cpu"),
+                                  max_prompt_tokens=20)
+    assert ids.shape == (2, 20 + len(answer) + 1)
+    assert tok.decode(ids[0, :20]) == ("1" * 50_000 + " What is it?\n")[-20:]
+    assert (labels[0, :20] == -100).all() and tok.decode(labels[0, 20:]) == answer + "<|endoftext|>"
+    assert attn[1].sum() == len("What?\n") + len(answer) + 1               # the short row is not padded out
