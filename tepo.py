@@ -602,7 +602,7 @@ def _checked_mask(mask: torch.Tensor) -> torch.Tensor:
     """The mask as bool [B, T]; a value other than 0 / 1 (0.5, 2, NaN) raises a ValueError.
 
     mask.bool() would read 0.5 as 1 and train a token the caller meant to half-weigh. The test is
-    two reductions, not an elementwise comparison (several times slower): every value lies in
+    two reductions rather than comparisons that allocate three [B, T] tensors: every value lies in
     [0, 1], and for floats sum m (1 - m) = 0, a sum of terms >= 0 that is 0 only when each m is 0 or 1.
     """
     if mask.dtype == torch.bool or mask.numel() == 0:
