@@ -24,8 +24,10 @@ Tensor layout (all objectives):
   B  sequences in the (mini-)batch = prompts x G, groups contiguous (rows g*G .. g*G+G-1 share a prompt)
   T  padded response length, V vocabulary size
   logp, old_logp, ref_logp   [B, T]  log-prob of each sampled token (only logp carries gradient)
-  mask                       [B, T]  1 for response tokens that are trained, 0 for padding
+  mask                       [B, T]  1 for response tokens that are trained, 0 for padding (bool or 0/1)
   advantages                 [B] or [B, T], always treated as constants
+Every objective refuses (one-line ValueError naming the argument) a NaN or inf where mask is 1, a mask
+that is not 0/1 and a shape mismatch; padding may hold anything. An empty batch gives a loss of 0.
 
 Flags: `python train_small.py --objective <name>` trains with PAPER_DEFAULTS[<name>]; every field of
 ObjectiveConfig is a flag there too (eps_low -> --eps-low, ...).
@@ -220,22 +222,44 @@ def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, *, num
     micro-batch losses equals the loss of the whole batch, gradient included (test_tepo.py,
     property 41). seq-mean-token-sum-norm divides by B * C as verl 0.9.1's agg_loss does (verl
     counts only non-empty sequences in B when it is given no global count; here B is every row).
+    An empty batch (no valid token, or B = 0, or T = 0) gives exactly 0 with a zero gradient in every
+    mode: a divisor of 0 (num_tokens=0 or num_seqs=0 for an empty step, B * C = 0) divides by 1, since
+    the sum it divides is then a sum over no position. A count of 0 with valid tokens is refused.
     """
     _check_choice("aggregation", mode, AGGREGATIONS)
     valid = mask.bool()
     lengths = valid.sum(-1)                                                 # [B]
     if mode == "token-mean":
-        denom = lengths.sum().clamp(min=1) if num_tokens is None else num_tokens
+        denom = lengths.sum().clamp(min=1) if num_tokens is None else _global_count("num_tokens", num_tokens, valid)
         return masked_sum(loss_mat, valid) / denom
     if mode == "seq-mean-token-sum-norm":
         C = loss_mat.shape[-1] if norm_constant is None else norm_constant
-        n = loss_mat.shape[0] if num_seqs is None else num_seqs
-        return masked_sum(loss_mat, valid) / (n * C)
+        n = loss_mat.shape[0] if num_seqs is None else _global_count("num_seqs", num_seqs, valid)
+        return masked_sum(loss_mat, valid) / _nonzero(n * C)
     per_seq = masked_sum(loss_mat, valid, dim=-1)                           # [B]
     if mode == "seq-mean-token-mean":
         per_seq = per_seq / lengths.clamp(min=1)
-    n = (lengths > 0).sum().clamp(min=1) if num_seqs is None else num_seqs
+    n = (lengths > 0).sum().clamp(min=1) if num_seqs is None else _global_count("num_seqs", num_seqs, valid)
     return per_seq.sum() / n
+
+
+def _nonzero(divisor):
+    """divisor, or 1 where it is 0 (a number or a tensor): dividing a sum over no position by it gives 0."""
+    if torch.is_tensor(divisor):
+        return torch.where(divisor == 0, torch.ones_like(divisor), divisor)
+    return divisor if divisor != 0 else 1
+
+
+def _global_count(name: str, count, valid: torch.Tensor):
+    """A caller's token or sequence count over all micro-batches, 0 replaced by 1 (an empty step).
+
+    A count of 0 or less while this micro-batch has valid tokens can only give inf or a wrong sign:
+    refused. Tensor counts are not inspected (that would cost a device sync on every call).
+    """
+    if not torch.is_tensor(count) and (count < 0 or (count == 0 and bool(valid.any()))):
+        raise ValueError(f"{name}={count!r} is not valid for a micro-batch with {int(valid.sum())} valid tokens; "
+                         f"pass the count over all micro-batches of the step (> 0)")
+    return _nonzero(count)
 
 
 # ---- KL estimators (Schulman's k1 / k2 / k3, "Approximating KL divergence", 2020) ------------------
@@ -537,7 +561,20 @@ def needs_entropy(name: str, cfg: ObjectiveConfig) -> bool:
 # metrics every objective reports. Then one function per objective, in historical order.
 
 def _prepare(logp, old_logp, advantages, mask, cfg, **optional):
-    """Check shapes and switches; return float logp/old_logp, bool mask and advantages as [B, T]."""
+    """Check switches, shapes and values; return float logp/old_logp, bool mask and advantages as [B, T].
+
+    Every objective starts here, so every objective refuses, with a one-line ValueError naming the
+    argument, the inputs that can only give a garbage loss:
+      - a shape other than logp's [B, T] (advantages: [B] or [B, T]);
+      - a mask holding anything but 0 and 1 (bool, or integers / floats equal to 0 or 1);
+      - NaN or +-inf in logp, old_logp, advantages or an optional tensor that is passed (ref_logp,
+        entropy, old_entropy) at a position where mask is 1; a per-sequence advantage is checked
+        on the rows with at least one valid token.
+    Padding (mask 0) may hold anything: it reaches neither the loss, nor the gradient, nor a metric
+    (test_tepo.py, property 43). Valid inputs pass unchanged. The checks cost one reduction per
+    tensor (two for a float mask) when every value is finite; the masked count is made only to word
+    the error.
+    """
     check_config(cfg)
     if logp.dim() != 2:
         raise ValueError(f"logp: expected shape [B, T], got {tuple(logp.shape)}")
@@ -547,19 +584,72 @@ def _prepare(logp, old_logp, advantages, mask, cfg, **optional):
     if tuple(advantages.shape) not in ((logp.shape[0],), tuple(logp.shape)):
         raise ValueError(f"advantages: shape {tuple(advantages.shape)} is not valid; choose "
                          f"[B]={[logp.shape[0]]} or [B, T]={list(logp.shape)}")
+    valid = _checked_mask(mask)                                              # [B, T] bool
+    for name, tensor in (("logp", logp), ("old_logp", old_logp), *optional.items()):
+        if tensor is not None:
+            _check_finite_where_valid(name, tensor, valid)
     # bf16 / fp16 inputs are computed in fp32: exp() of a ratio needs the mantissa. Gradients
     # flow back through the cast.
     dtype = torch.promote_types(logp.dtype, torch.float32)
     adv = advantages.detach().to(dtype)
+    if not _check_finite_where_valid("advantages", advantages, valid):
+        adv = _finite_or_zero(adv)
     adv = adv.unsqueeze(-1).expand(logp.shape) if adv.dim() == 1 else adv   # [B, T]
-    return logp.to(dtype), old_logp.detach().to(dtype), adv, mask.bool()
+    return logp.to(dtype), old_logp.detach().to(dtype), adv, valid
+
+
+def _checked_mask(mask: torch.Tensor) -> torch.Tensor:
+    """The mask as bool [B, T]; a value other than 0 / 1 (0.5, 2, NaN) raises a ValueError.
+
+    mask.bool() would read 0.5 as 1 and train a token the caller meant to half-weigh. The test is
+    two reductions rather than comparisons that allocate three [B, T] tensors: every value lies in
+    [0, 1], and for floats sum m (1 - m) = 0, a sum of terms >= 0 that is 0 only when each m is 0 or 1.
+    """
+    if mask.dtype == torch.bool or mask.numel() == 0:
+        return mask.bool()
+    low, high = torch.aminmax(mask)                                         # NaN gives NaN: refused
+    zero_one = bool(low >= 0) and bool(high <= 1)
+    if zero_one and mask.is_floating_point():
+        flat = mask.reshape(-1)
+        zero_one = bool(torch.dot(flat, 1 - flat) == 0)
+    if not zero_one:
+        bad = ~((mask == 0) | (mask == 1))
+        raise ValueError(f"mask: {int(bad.sum())} values other than 0 and 1 (e.g. {mask[bad][0].item()!r}); "
+                         f"choose a bool mask or 0/1 values (1 = the token is trained)")
+    return mask.bool()
+
+
+def _check_finite_where_valid(name: str, tensor: torch.Tensor, valid: torch.Tensor) -> bool:
+    """ValueError if `tensor` ([B, T], or [B] per sequence) holds NaN or inf where valid is True;
+    returns whether every value is finite (False: some padding holds NaN or inf)."""
+    values = tensor.detach()
+    # The usual case in one fast reduction: a sum is finite only if every term is. A finite sum
+    # too large for the dtype also lands in the exact test below, which is correct, only slower.
+    if bool(torch.isfinite(values.sum(dtype=torch.promote_types(values.dtype, torch.float32)))):
+        return True
+    used = valid if values.dim() == 2 else valid.any(-1)                    # [B, T] or [B]
+    bad = used & ~torch.isfinite(values)
+    if bool(bad.any()):
+        where = [int(i) for i in bad.nonzero()[0]]
+        raise ValueError(f"{name}: {int(bad.sum())} non-finite values where mask is 1 (e.g. "
+                         f"{values[tuple(where)].item()} at {where}); pass finite values at every "
+                         f"trained position (padding, mask 0, may hold anything)")
+    return bool(torch.isfinite(values).all())
+
+
+def _finite_or_zero(advantages: torch.Tensor) -> torch.Tensor:
+    """Advantages with NaN / inf replaced by 0. After _prepare such values can only sit where nothing
+    is trained, but an advantage multiplies a ratio whose gradient there is 0, and 0 * NaN = NaN
+    would reach logp's gradient (GSPO-token's ratio has no mask between the two)."""
+    return torch.where(torch.isfinite(advantages), advantages, torch.zeros_like(advantages))
 
 
 def _sequence_advantages(advantages: torch.Tensor, objective: str) -> torch.Tensor:
+    """The per-sequence advantages [B] (after _prepare), non-finite ones (rows with nothing trained) as 0."""
     if advantages.dim() != 1:
         raise ValueError(f"advantages: {objective} needs one advantage per sequence, shape [B], got "
                          f"{tuple(advantages.shape)}; choose gspo_token for per-token advantages")
-    return advantages
+    return _finite_or_zero(advantages)
 
 
 def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float,

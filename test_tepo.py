@@ -93,8 +93,10 @@ Pitfalls small RL projects have shipped, each ruled out by name
 Configuration
  45. tepo.FIELDS_READ is exact: changing a field an objective does not declare leaves its loss and
      gradient bit-identical, and every field it declares changes them for some valid value.
-Besides these: one-line ValueErrors naming the bad argument and the valid choices, fully masked
-rows giving finite zeros, bf16 inputs staying close to float64, and finite values at extreme ratios.
+Besides these: one-line ValueErrors naming the bad argument and the valid choices (a NaN or inf
+where mask is 1, a mask that is not 0/1, a shape mismatch: refused by every objective), fully masked
+rows giving finite zeros, an empty batch giving exactly 0 with zero gradients, bf16 inputs staying
+close to float64, and finite values at extreme ratios.
 
 Rules followed throughout:
 * float64, gradients by torch.autograd w.r.t. ``logp``;
@@ -1783,6 +1785,122 @@ def test_mismatched_shapes_raise_naming_the_argument(name):
     raises_naming(lambda: fn(x.logp.clone().requires_grad_(True), x.old, torch.zeros(5, dtype=F64), x.mask, c, **kw),
                   r"advantages")
     raises_naming(lambda: fn(x.logp.clone().requires_grad_(True), x.old[:, :4], x.adv, x.mask, c, **kw), r"old_logp")
+
+
+# Inputs that can only give a garbage loss, one per argument: (argument, how to spoil it, message).
+# Each spoils one trained position (mask 1); kl_cov never reads ref_logp (its beta weighs |delta|).
+def _spoil(value, row=0, col=1):
+    def spoil(t):
+        t = t.clone()
+        t[(row, col) if t.dim() == 2 else row] = value
+        return t
+    return spoil
+
+
+BAD_TENSORS = [
+    ("logp", "nan-logp", _spoil(float("nan")), r"^logp: 1 non-finite values where mask is 1 "
+                                                r"\(e\.g\. nan at \[0, 1\]\)"),
+    ("old", "inf-old_logp", _spoil(float("inf")), r"^old_logp: 1 non-finite values where mask is 1 \(e\.g\. inf"),
+    ("adv", "-inf-advantages", _spoil(float("-inf")), r"^advantages: 1 non-finite values where mask is 1 "
+                                                       r"\(e\.g\. -inf at \[0\]\)"),
+    ("ref", "nan-ref_logp", _spoil(float("nan")), r"^ref_logp: 1 non-finite values where mask is 1"),
+    ("mask", "half-mask", _spoil(0.5), r"^mask: 1 values other than 0 and 1 \(e\.g\. 0\.5\); choose a bool mask"),
+    ("ref", "short-ref_logp", lambda t: t[:, :-1], r"^ref_logp: shape \(4, 4\) does not match logp \(4, 5\)"),
+    ("logp", "3d-logp", lambda t: t[..., None], r"^logp: expected shape \[B, T\]"),
+]
+
+
+@pytest.mark.parametrize("arg,case,spoil,message", BAD_TENSORS, ids=[b[1] for b in BAD_TENSORS])
+@pytest.mark.parametrize("name", list(tepo.OBJECTIVES))
+def test_tensors_that_can_only_give_garbage_raise_one_line_naming_the_argument(name, arg, case, spoil, message):
+    """NaN / inf at a trained position, a mask that is not 0/1 and a shape mismatch: refused by
+    every objective with a one-line ValueError naming the argument (beta > 0 so the reference is read)."""
+    x = make_inputs(B=4, T=5, lengths=[5, 3, 0, 4], seed=61, noise=0.1)
+    c = cfg(name, beta=0.1)
+    if arg == "ref" and name == "kl_cov":
+        loss, _, _ = run_x(name, x, c)
+        spoilt, _, _ = run_x(name, x, c, ref_logp=spoil(x.ref))
+        assert float(spoilt) == float(loss) != 0                       # kl_cov reads no reference
+        return
+    setattr(x, arg, spoil(getattr(x, arg)))
+    with pytest.raises(ValueError, match=message) as e:
+        run_x(name, x, c)
+    assert "\n" not in str(e.value) and len(str(e.value)) < 200
+
+
+@pytest.mark.parametrize("name", list(tepo.OBJECTIVES))
+def test_count_of_bad_values_and_valid_mask_dtypes(name):
+    """The count covers trained positions only; bool and 0/1 int masks give the float mask's loss."""
+    x = make_inputs(B=4, T=5, lengths=[5, 3, 0, 4], seed=62, noise=0.1)
+    c = cfg(name, beta=0.1)
+    logp = x.logp.clone()
+    logp[0, :3] = float("nan")      # 3 trained positions
+    logp[1, 3:] = float("nan")      # padding: not counted
+    with pytest.raises(ValueError, match=r"^logp: 3 non-finite values where mask is 1"):
+        run(name, logp, x.old, x.adv, x.mask, c, ref_logp=x.ref)
+    losses = []
+    for mask in (x.mask, x.mask.bool(), x.mask.long(), x.mask.to(torch.uint8)):
+        torch.manual_seed(0)
+        losses.append(float(run(name, x.logp, x.old, x.adv, mask, c, ref_logp=x.ref)[0]))
+    assert losses[0] != 0 and losses == [losses[0]] * 4
+
+
+@pytest.mark.parametrize("dtype,value", [(F64, 0.5), (F64, 1e-300), (F64, 1 - 2 ** -52), (F64, 2.0), (F64, -1.0),
+                                         (F64, float("nan")), (torch.float32, 0.5), (torch.float16, 0.999),
+                                         (torch.bfloat16, 0.5), (torch.long, 2), (torch.long, -1)])
+def test_mask_values_other_than_zero_and_one_are_refused_in_every_dtype(dtype, value):
+    x = make_inputs(B=3, T=4, lengths=[4, 2, 3], seed=65)
+    mask = x.mask.to(dtype)
+    mask[1, 3] = value                                                      # a padded position
+    with pytest.raises(ValueError, match=rf"^mask: 1 values other than 0 and 1 \(e\.g\. "):
+        run("dapo", x.logp, x.old, x.adv, mask, cfg("dapo"))
+
+
+@pytest.mark.parametrize("name,ov", SWEEP, ids=SWEEP_IDS)
+def test_nonfinite_advantages_and_tensors_at_padding_are_accepted_and_change_nothing(name, ov):
+    """Property 43 for the advantages: inf in a per-token advantage at padding, and NaN as the
+    per-sequence advantage of a row with no trained token, change neither loss nor gradient."""
+    x = make_inputs(B=4, T=6, lengths=[6, 3, 0, 4], seed=63, noise=0.3)
+    c = cfg(name, **ov)
+    pad = x.mask == 0
+    torch.manual_seed(0)
+    l0, g0, _ = run_x(name, x, c)
+    seq_adv = x.adv.clone()
+    seq_adv[2] = float("nan")                                               # row 2 is all padding
+    torch.manual_seed(0)
+    l1, g1, m1 = run_x(name, x, c, adv=seq_adv, old=torch.where(pad, float("inf"), x.old))
+    assert l1.item() == l0.item() and torch.equal(g1, g0)
+    all_finite_metrics(m1)
+    if name in ("gspo", "mpo") or ov.get("ratio_mode") == "gmpo":
+        return                                                              # per-sequence advantages only
+    token_adv = torch.where(pad, float("-inf"), x.adv[:, None].expand(4, 6))
+    torch.manual_seed(0)
+    l2, g2, _ = run_x(name, x, c, adv=token_adv)
+    assert l2.item() == l0.item() and torch.equal(g2, g0)
+
+
+@pytest.mark.parametrize("counts", [{}, dict(num_tokens=0, num_seqs=0)], ids=["own-counts", "zero-global-counts"])
+@pytest.mark.parametrize("B,T", [(4, 5), (0, 5), (4, 0)])
+@pytest.mark.parametrize("name", list(tepo.OBJECTIVES))
+def test_empty_batch_gives_exactly_zero_loss_and_zero_gradient(name, B, T, counts):
+    """An all-zero mask (and B = 0, T = 0; a global count of 0 for an empty step): loss exactly 0,
+    every gradient exactly 0 (not NaN), every metric finite, in float64 with paper defaults + a KL."""
+    x = make_inputs(B=B, T=T, lengths=[0] * B, seed=64, noise=0.3)
+    c = cfg(name, beta=0.1)
+    loss, grad, metrics = run_x(name, x, c, **counts)
+    assert loss.dtype == F64 and loss.item() == 0.0
+    assert grad.shape == (B, T) and torch.equal(grad, torch.zeros(B, T, dtype=F64))
+    all_finite_metrics(metrics)
+    assert metrics["loss"] == 0.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_zero_or_negative_global_count_with_valid_tokens_raises(mode):
+    x = make_inputs(B=2, T=3, lengths=[3, 1])
+    count = "num_tokens" if mode == "token-mean" else "num_seqs"
+    for bad in (0, -2):
+        raises_naming(lambda: tepo.aggregate_loss(x.logp, x.mask, mode, **{count: bad}),
+                      rf"^{count}={bad} is not valid for a micro-batch with 4 valid tokens")
 
 
 def test_group_advantages_rejects_partial_groups_and_unknown_scale():

@@ -8,7 +8,10 @@ import time
 
 import torch
 
+import tepo
+from tepokit.cli import objective_config
 from tepokit.errors import fail
+from tepokit.forward import rows_per_minibatch
 from tepokit.memory import peak_memory_mb
 from tepokit.model import pick_device, prepare_start_model
 from tepokit.rundir import read_log, write_json
@@ -24,6 +27,10 @@ def benchmark(args, obj_overrides: dict, train) -> None:
         fail("--bench compares with TRL's GRPOTrainer, and trl is not installed; install it with: "
              "pip install -r requirements.txt")
     torch.set_num_threads(args.threads)
+    checks = input_check_cost(args, obj_overrides)
+    print(f"input checks of {args.objective} (tepo._prepare) on a {checks['batch']} mini-batch: "
+          f"{1e3 * checks['checks_s']:.3f} ms of the objective's {1e3 * checks['objective_s']:.3f} ms "
+          f"(forward and backward, {100 * checks['checks_s'] / checks['objective_s']:.1f}%)")
     out = args.out or os.path.join("runs", f"bench__{time.strftime('%Y%m%d-%H%M%S')}")
     n = args.bench_steps
     run = dataclasses.replace(args, bench=False, out=os.path.join(out, "ours"), steps=n + 1, eval_every=10**9,
@@ -38,7 +45,7 @@ def benchmark(args, obj_overrides: dict, train) -> None:
     print(f"ours ({args.objective}): " + ", ".join(f"{k} {v:.3f}" for k, v in ours.items()))
     result = {"ours": ours, "setup": {"prompts": args.prompts_per_step, "group_size": args.group_size,
                                       "max_new_tokens": args.max_new_tokens, "mini_batches": args.mini_batches,
-                                      "threads": args.threads, "steps_timed": n}}
+                                      "threads": args.threads, "steps_timed": n}, "input_checks": checks}
     result["trl"] = bench_trl(args, out, n)
     print("trl GRPOTrainer: " + ", ".join(f"{k} {v:.3f}" for k, v in result["trl"].items()))
     result["speedup"] = result["trl"]["step_time"] / ours["step_time"]
@@ -85,3 +92,38 @@ def bench_trl(args, out: str, n: int) -> dict:
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     return {"step_time": step, "perf/tokens_per_second": rollout * lengths[-1] / step,
             "peak_memory_mb (process-wide, includes ours)": peak_memory_mb(torch.device("cpu"))}
+
+
+def input_check_cost(args, obj_overrides: dict, repeats: int = 30) -> dict:
+    """Median seconds of tepo's input checks (_prepare: switches, shapes, 0/1 mask, NaN / inf where
+    mask is 1) and of the whole objective call with its backward, on one mini-batch of the bench's
+    shape ([rows, max_new_tokens], float32, rows of random lengths) filled with random log-probs."""
+    rows = rows_per_minibatch(args)
+    T = args.max_new_tokens
+    g = torch.Generator().manual_seed(0)
+    old_logp = -torch.rand(rows, T, generator=g) * 3                           # [rows, T]
+    logp = (old_logp + 0.1 * torch.randn(rows, T, generator=g)).requires_grad_(True)
+    mask = (torch.arange(T) < torch.randint(T // 5, T + 1, (rows, 1), generator=g)).float()   # [rows, T]
+    advantages = torch.randn(rows, generator=g)                                # [rows]
+    optional = dict(ref_logp=old_logp.clone(), entropy=torch.rand(rows, T, generator=g),
+                    old_entropy=torch.rand(rows, T, generator=g))             # each [rows, T]
+    cfg = objective_config(args, obj_overrides)
+    objective = tepo.OBJECTIVES[args.objective]
+
+    def checks():
+        tepo._prepare(logp, old_logp, advantages, mask, cfg, **optional)
+
+    def objective_with_backward():
+        objective(logp, old_logp, advantages, mask, cfg, **optional)[0].backward()
+
+    def median_seconds(fn):
+        fn()                                                                # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+    return {"batch": f"[{rows}, {T}]", "checks_s": median_seconds(checks),
+            "objective_s": median_seconds(objective_with_backward)}

@@ -12,9 +12,9 @@ import torch
 from tqdm.auto import tqdm
 
 from tepokit.hub import cannot_load, use_offline_hub_if_unreachable
-from tepokit.rundir import save_pretrained_atomically
 from tepokit.errors import fail
-from tepokit.task import format_prompt, task_seed
+from tepokit.rundir import lock_file, save_pretrained_atomically
+from tepokit.task import format_prompt, task_fingerprint, task_seed
 
 END = "<|endoftext|>"   # end of sequence AND padding, as in GPT-2: the end token must still be trained
 
@@ -69,13 +69,26 @@ def warmup_recipe(args) -> dict:
     return {**{k: getattr(args, k) for k in WARMUP_SETTINGS}, "seed": task_seed(args)}
 
 
-def warmup_cache_dir(args) -> str:
-    """<--cache-dir>/warmup-<hash of everything that determines the warmed-up weights>."""
+def warmup_cache_dir(args, task, tokenizer) -> str:
+    """<--cache-dir>/warmup-<hash of everything that determines the warmed-up weights>: the settings, the
+    data's identity (task_fingerprint: a run on the user's JSONL never meets the built-in task's entry)
+    and the tokenizer's vocabulary (the embedding rows mean its tokens)."""
     recipe = warmup_recipe(args)
-    if recipe["ops"] == "+-*":       # the default was not in the key when it was added; old caches stay valid
+    if recipe["ops"] == "+-*":       # the default was left out of the key when ops was added to it
         del recipe["ops"]
-    blob = json.dumps(recipe | {"version": 1}, sort_keys=True)
+    vocabulary = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:16]
+    blob = json.dumps(recipe | {"data": task_fingerprint(task), "tokenizer": vocabulary, "version": 2},
+                      sort_keys=True)
     return os.path.join(args.cache_dir, "warmup-" + hashlib.sha1(blob.encode()).hexdigest()[:12])
+
+
+# A cache entry is complete when it holds these: save_pretrained_atomically makes it appear whole, but a
+# directory copied or written by other means may not be.
+WARMUP_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
+def is_complete_warmup(cache: str) -> bool:
+    return all(os.path.isfile(os.path.join(cache, name)) for name in WARMUP_FILES)
 
 
 # The main command's start model is committed (tepokit/start_model/): the warm-up below, run once with the
@@ -105,11 +118,17 @@ def committed_start_model(args) -> str | None:
     return START_MODEL_DIR
 
 
-def sft_batch(tokenizer, questions, answers, device):
-    """Prompt + answer + end token, right-padded; labels only on answer and end tokens."""
+def sft_batch(tokenizer, questions, answers, device, max_prompt_tokens: int | None = None):
+    """Prompt + answer + end token, right-padded; labels only on answer and end tokens.
+
+    A prompt longer than max_prompt_tokens is cut from the left, as generation cuts it: load_task has
+    already left such questions out, and this bound keeps a batch's width, and so its memory, within
+    the budget whatever split it is given.
+    """
     rows = []
     for q, a in zip(questions, answers):
         p = tokenizer(format_prompt(q)).input_ids
+        p = p[-max_prompt_tokens:] if max_prompt_tokens else p
         c = tokenizer(a, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
         rows.append((p + c, [-100] * len(p) + c))
     width = max(len(ids) for ids, _ in rows)
@@ -132,7 +151,7 @@ def supervised_warmup(model, tokenizer, train_split, args, device):
         idx = torch.randint(len(train_split), (args.warmup_batch,), generator=gen).tolist()
         rows = train_split.select(idx)
         demos = rows["demonstration"] if "demonstration" in rows.column_names else rows["answer"]
-        ids, attn, labels = sft_batch(tokenizer, list(rows["question"]), list(demos), device)
+        ids, attn, labels = sft_batch(tokenizer, list(rows["question"]), list(demos), device, args.max_prompt_tokens)
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -144,25 +163,38 @@ def supervised_warmup(model, tokenizer, train_split, args, device):
 
 
 def prepare_start_model(args, task, device) -> str:
-    """The directory or id RL starts from: --model, the committed start model, or the warmed-up built-in
-    model (cached)."""
+    """The directory or id RL starts from: --model, the committed start model (committed_start_model), or
+    the warmed-up built-in model (cached).
+
+    The cache entry is written under an OS lock on <entry>.lock (as a run directory is, tepokit/rundir.py):
+    two runs sharing --cache-dir never warm the same entry at once; the second waits, then finds the
+    entry. The entry is written to a temporary directory and renamed, so it is whole or absent.
+    """
     if args.model is not None:
         return args.model
     committed = committed_start_model(args)
     if committed is not None:
         print(f"start model: {os.path.relpath(committed)} (committed; the same on every machine)")
         return committed
-    cache = warmup_cache_dir(args)
-    if os.path.exists(os.path.join(cache, "config.json")):
+    tokenizer = builtin_tokenizer(task)
+    cache = warmup_cache_dir(args, task, tokenizer)
+    if is_complete_warmup(cache):
         print(f"warm-up model: {cache} (cached)")
         return cache
-    print(f"warm-up model: {args.warmup_steps} supervised steps, then cached in {cache}")
-    tokenizer = builtin_tokenizer(task)
-    torch.manual_seed(task_seed(args))
-    model = build_tiny_model(args, tokenizer).to(device)
-    if args.warmup_steps > 0:
-        supervised_warmup(model, tokenizer, task["train"], args, device)
-    save_pretrained_atomically(model.cpu(), tokenizer, cache)
+    os.makedirs(args.cache_dir, exist_ok=True)
+    lock = lock_file(cache + ".lock", f"the warm-up cache {cache}", wait=True)
+    try:
+        if is_complete_warmup(cache):       # another run wrote it while we waited for the lock
+            print(f"warm-up model: {cache} (cached)")
+            return cache
+        print(f"warm-up model: {args.warmup_steps} supervised steps, then cached in {cache}")
+        torch.manual_seed(task_seed(args))
+        model = build_tiny_model(args, tokenizer).to(device)
+        if args.warmup_steps > 0:
+            supervised_warmup(model, tokenizer, task["train"], args, device)
+        save_pretrained_atomically(model.cpu(), tokenizer, cache)
+    finally:
+        lock.close()
     return cache
 
 

@@ -13,7 +13,7 @@ from decimal import Decimal, InvalidOperation
 
 import torch
 
-from tepokit.errors import fail, first_line
+from tepokit.errors import fail, first_line, warn
 from tepokit.hub import cannot_load, use_offline_hub_if_unreachable
 
 NAMES = ["Ann", "Bob", "Cal", "Dee", "Eve", "Fay", "Gus", "Hal", "Ivy", "Jon"]
@@ -81,10 +81,17 @@ def task_seed(args) -> int:
 
 
 def load_task(args):
-    """A DatasetDict with train/test splits of question/answer records."""
+    """A DatasetDict with train/test splits of question/answer records, checked by validate_task."""
     if args.dataset is None:
-        return make_arithmetic_task(args.difficulty, args.n_train, args.n_test, task_seed(args), args.ops,
+        task = make_arithmetic_task(args.difficulty, args.n_train, args.n_test, task_seed(args), args.ops,
                                     args.sft_noise)
+    else:
+        task = read_dataset(args)
+    return validate_task(task, args)
+
+
+def read_dataset(args):
+    """--dataset as a DatasetDict with train and test splits (a seeded fifth held out when it has no test)."""
     import datasets
     path = os.path.expanduser(args.dataset)
     offline_reason = None if os.path.exists(path) else use_offline_hub_if_unreachable()
@@ -113,6 +120,87 @@ def load_task(args):
         data = data["train"].train_test_split(test_size=min(args.n_test, len(data["train"]) // 5),
                                               seed=task_seed(args))
     return data
+
+
+def validate_task(task, args):
+    """The task checked on loading, before any memory is spent on it: each kind of problem counted in one
+    warning line; refused in one line (exit 2, before anything is written) when a split would be left empty.
+
+      - answers the reward cannot read (gold_answer is None, e.g. "seven"): such a row scores 0 whatever
+        the model writes, so it is left out; refused when no answer of a split can be read.
+      - questions longer than --max-prompt-tokens, in the run's tokens (prompt_lengths): counted, and
+        kept. They are cut from the left to their last --max-prompt-tokens tokens, by generation (as
+        before) and by the warm-up's batches (model.sft_batch), so no batch outgrows the budget and the
+        warm-up trains on exactly the prompts RL shows. Cut, not dropped: the end of a question holds
+        what is asked, and --max-prompt-tokens is the run's memory bound; raising it keeps them whole.
+      - training rows whose question is also in the test split: removed from training, so the
+        held-out accuracy measures problems the policy never trained on.
+    The built-in task has none of these, and comes back unchanged.
+    """
+    name = f"dataset {args.dataset}" if args.dataset else "the built-in task"
+    answers = {split: list(task[split]["answer"]) for split in ("train", "test")}
+    readable = {split: [gold_answer(a) is not None for a in answers[split]] for split in answers}
+    for split in answers:
+        if not any(readable[split]):
+            fail(f"{name}: none of the {len(answers[split])} {split} answers has a number the reward can read "
+                 f"(e.g. {answers[split][0][:40]!r}); each answer must end in '#### <number>' (GSM8K's format) "
+                 "or hold a number")
+    example = next((a for split in answers for a, ok in zip(answers[split], readable[split]) if not ok), None)
+    drop_rows(task, readable, lambda dropped: f"{name}: {dropped} answers have no number the reward can read "
+              f"(e.g. {example[:40]!r}); those rows are left out (they could only score 0)")
+    lengths = {split: prompt_lengths(list(task[split]["question"]), args) for split in ("train", "test")}
+    over = count_of({split: [n <= args.max_prompt_tokens for n in lengths[split]] for split in lengths})
+    if over:
+        warn(f"{name}: {over} questions are longer than --max-prompt-tokens={args.max_prompt_tokens} tokens (the "
+             f"longest has {max(max(n) for n in lengths.values())}); they are cut from the left to their last "
+             f"{args.max_prompt_tokens} tokens (raise --max-prompt-tokens to keep them whole)")
+    test_questions = set(task["test"]["question"])
+    unseen = [q not in test_questions for q in task["train"]["question"]]
+    if not any(unseen):
+        fail(f"{name}: every training question is also in the test split; give a test split with other questions")
+    drop_rows(task, {"train": unseen}, lambda dropped: f"{name}: {dropped} training rows ask a question of the "
+              "test split; removed from training, so the held-out accuracy measures held-out problems")
+    return task
+
+
+def count_of(keep: dict) -> str | None:
+    """How many rows keep (split -> flags) marks False, as "3 of 120 (2 train, 1 test)"; None if none."""
+    left_out = {split: flags.count(False) for split, flags in keep.items() if not all(flags)}
+    if not left_out:
+        return None
+    parts = ", ".join(f"{n} {split}" for split, n in left_out.items())
+    return f"{sum(left_out.values())} of {sum(len(flags) for flags in keep.values())} ({parts})"
+
+
+def drop_rows(task, keep: dict, warning) -> None:
+    """Keep the rows of each split where keep[split] is True; when any is dropped, warn in one line:
+    warning(the count_of the dropped rows)."""
+    dropped = count_of(keep)
+    if dropped:
+        warn(warning(dropped))
+        for split, flags in keep.items():
+            task[split] = keep_rows(task[split], flags) if not all(flags) else task[split]
+
+
+def keep_rows(split, keep: list[bool]):
+    """The rows of a datasets split where keep is True, in memory (a split read from disk gets no cache file)."""
+    return split.select([i for i, k in enumerate(keep) if k], keep_in_memory=True)
+
+
+def prompt_lengths(questions: list[str], args) -> list[int]:
+    """Each question's prompt length in the tokens of the run's tokenizer: characters for the built-in model
+    (its tokenizer has one token per character), --model's own tokenizer otherwise (loaded alone)."""
+    prompts = [format_prompt(q) for q in questions]
+    if args.model is None:
+        return [len(p) for p in prompts]
+    from transformers import AutoTokenizer
+    offline_reason = None if os.path.exists(args.model) else use_offline_hub_if_unreachable()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    except Exception as e:  # noqa: BLE001 -- any loading failure is a user-facing one-liner
+        cannot_load("the tokenizer of model", args.model, e, offline_reason,
+                    "give a local model directory, or run without --model for the built-in tiny model")
+    return [len(ids) for ids in tokenizer(prompts).input_ids]
 
 
 def read_jsonl_task(path: str) -> list[dict]:

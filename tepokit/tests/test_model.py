@@ -1,7 +1,11 @@
-"""tepokit/model.py: the built-in tokenizer, loading a model (end tokens, dropout off), the warm-up cache."""
+"""tepokit/model.py: the built-in tokenizer, loading a model (end tokens, dropout off), the warm-up cache
+(keyed by the data and the tokenizer, written once under a lock, never taken half-written)."""
 import dataclasses
+import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,11 +14,14 @@ from transformers import AutoTokenizer
 
 import train_small as ts
 from tepokit import model as model_module
+from tepokit.cli import parse_args
 from tepokit.forward import completion_logits
-from tepokit.model import (START_MODEL_DIR, build_char_tokenizer, builtin_tokenizer, committed_start_model,
-                           eos_ids_of, load_policy, prepare_start_model, warmup_cache_dir)
+from tepokit.model import (START_MODEL_DIR, WARMUP_FILES, build_char_tokenizer, builtin_tokenizer,
+                           committed_start_model, eos_ids_of, is_complete_warmup, load_policy, prepare_start_model,
+                           sft_batch, warmup_cache_dir)
+from tepokit.rundir import lock_file
 from tepokit.task import load_task
-from tepokit.tests.helpers import micro_run, hand_batch
+from tepokit.tests.helpers import MICRO, REPO, hand_batch, micro_run, wait_until
 
 
 def test_char_tokenizer_round_trip_and_pad_is_eos():
@@ -79,14 +86,98 @@ def test_dropout_settings_are_off_also_in_train_mode_with_checkpointing(tmp_path
 
 
 def test_cache_dir_flag_places_and_prints_the_warm_up_cache(tmp_path, capsys):
-    args = ts.Args(cache_dir=str(tmp_path / "my-cache"), seed=2)     # seed 1 would take the committed model
-    cache = warmup_cache_dir(args)
+    args = ts.Args(cache_dir=str(tmp_path / "my-cache"), n_train=20, n_test=5)
+    task = load_task(args)
+    cache = warmup_cache_dir(args, task, builtin_tokenizer(task))
     assert cache.startswith(str(tmp_path / "my-cache" / "warmup-"))
-    assert warmup_cache_dir(dataclasses.replace(args, cache_dir="elsewhere")).endswith(os.path.basename(cache))
+    assert warmup_cache_dir(dataclasses.replace(args, cache_dir="elsewhere"), task,
+                            builtin_tokenizer(task)).endswith(os.path.basename(cache))
     os.makedirs(cache)
-    Path(cache, "config.json").write_text("{}")
-    assert prepare_start_model(args, None, torch.device("cpu")) == cache
+    for name in WARMUP_FILES:
+        Path(cache, name).write_text("{}")
+    assert prepare_start_model(args, task, torch.device("cpu")) == cache
     assert cache in capsys.readouterr().out
+
+
+def write_jsonl(path, n=12):
+    path.write_text("".join(json.dumps({"question": f"What is {i} plus 1?", "answer": f"#### {i + 1}"}) + "\n"
+                            for i in range(n)))
+    return str(path)
+
+
+def test_warm_up_cache_is_keyed_by_the_data_and_the_tokenizer(tmp_path):
+    """The built-in task and a JSONL data set (same settings otherwise) get different entries; so do
+    the same data with another tokenizer, and two JSONL files differing in one answer."""
+    builtin = ts.Args(cache_dir=str(tmp_path), n_train=20, n_test=5)
+    jsonl = dataclasses.replace(builtin, dataset=write_jsonl(tmp_path / "a.jsonl"))
+    edited = tmp_path / "b.jsonl"
+    edited.write_text((tmp_path / "a.jsonl").read_text().replace("#### 5", "#### 6"))
+    other = dataclasses.replace(builtin, dataset=str(edited))
+    dirs = set()
+    for args in (builtin, jsonl, other):
+        task = load_task(args)
+        dirs.add(warmup_cache_dir(args, task, builtin_tokenizer(task)))
+    task = load_task(builtin)
+    dirs.add(warmup_cache_dir(builtin, task, build_char_tokenizer(["only these characters"])))
+    assert len(dirs) == 4
+    assert warmup_cache_dir(builtin, task, builtin_tokenizer(task)) in dirs       # the key is deterministic
+
+
+WARM = [*MICRO, "--warmup-steps", "60"]
+WARM_SCRIPT = ("import sys, torch; sys.path.insert(0, sys.argv[1]); import train_small as ts; "
+               "from tepokit.cli import parse_args; from tepokit.model import prepare_start_model; "
+               "from tepokit.task import load_task; args, _ = parse_args(ts.Args, sys.argv[2:]); "
+               "print('entry', prepare_start_model(args, load_task(args), torch.device('cpu')), flush=True)")
+
+
+def test_two_processes_warming_the_same_entry_both_succeed_and_it_is_written_once(tmp_path):
+    """Both processes start while the entry's lock is held (here by the test), so they really contend:
+    both wait; then one warms up and writes the entry, the other waits for it and finds it whole."""
+    args, _ = parse_args(ts.Args, [*WARM, "--cache-dir", str(tmp_path / "cache")])
+    task = load_task(args)
+    cache = warmup_cache_dir(args, task, builtin_tokenizer(task))
+    os.makedirs(tmp_path / "cache")
+    held = lock_file(cache + ".lock", "the test's hold")
+    outs = [tmp_path / f"out{i}.txt" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", WARM_SCRIPT, REPO, *WARM, "--cache-dir", str(tmp_path / "cache")],
+                              stdout=open(out, "w"), stderr=subprocess.STDOUT) for out in outs]
+    for proc, out in zip(procs, outs):
+        wait_until(lambda: "waiting for process" in out.read_text(), proc)
+    held.close()
+    assert [proc.wait(timeout=240) for proc in procs] == [0, 0]
+    texts = [out.read_text() for out in outs]
+    assert sum("supervised steps" in t for t in texts) == 1 and sum("(cached)" in t for t in texts) == 1
+    assert all(f"entry {cache}\n" in t for t in texts), texts
+    assert is_complete_warmup(cache) and sorted(os.listdir(tmp_path / "cache")) == sorted(
+        [os.path.basename(cache), os.path.basename(cache) + ".lock"])       # no temporary directory left
+
+
+def test_a_half_written_entry_or_temporary_directory_is_never_taken_as_the_cache(tmp_path, capsys):
+    args, _ = parse_args(ts.Args, [*MICRO, "--cache-dir", str(tmp_path)])
+    task = load_task(args)
+    cache = warmup_cache_dir(args, task, builtin_tokenizer(task))
+    os.makedirs(cache)
+    Path(cache, "config.json").write_text("{}")                         # weights and tokenizer missing
+    os.makedirs(tmp_path / ".tmp-half")                                  # a writer killed mid-way
+    Path(tmp_path, ".tmp-half", "config.json").write_text("{}")
+    assert prepare_start_model(args, task, torch.device("cpu")) == cache
+    assert "supervised steps" in capsys.readouterr().out                 # warmed up afresh
+    assert is_complete_warmup(cache)
+    model, _ = load_policy(cache, args, torch.device("cpu"))
+    assert model.config.n_embd == 32
+
+
+def test_warm_up_batches_cut_an_over_long_prompt_from_the_left_to_the_budget():
+    """Whatever split the warm-up is given, a batch is at most max_prompt_tokens + answer + end token wide:
+    the prompt keeps its end (the question asked), as generation's left truncation does."""
+    tok = build_char_tokenizer(["0123456789 What is it?\n#"])
+    question, answer = "1" * 50_000 + " What is it?", "#### 1"
+    ids, attn, labels = sft_batch(tok, [question, "What?"], [answer, answer], torch.device("cpu"),
+                                  max_prompt_tokens=20)
+    assert ids.shape == (2, 20 + len(answer) + 1)
+    assert tok.decode(ids[0, :20]) == ("1" * 50_000 + " What is it?\n")[-20:]
+    assert (labels[0, :20] == -100).all() and tok.decode(labels[0, 20:]) == answer + "<|endoftext|>"
+    assert attn[1].sum() == len("What?\n") + len(answer) + 1               # the short row is not padded out
 
 
 def test_main_command_starts_from_the_committed_model_and_checks_its_files(tmp_path, monkeypatch, capsys):

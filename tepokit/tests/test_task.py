@@ -1,13 +1,17 @@
-"""tepokit/task.py: answer parsing (the reward), the built-in task, dataset files."""
+"""tepokit/task.py: answer parsing (the reward), the built-in task, dataset files and their validation."""
 import contextlib
 import io
+import json
+import os
 import re
 from decimal import Decimal
 
 import pytest
 
 import train_small as ts
-from tepokit.task import gold_answer, load_task, make_arithmetic_task, parse_lenient, parse_strict, score_completions
+from tepokit.task import (gold_answer, load_task, make_arithmetic_task, parse_lenient, parse_strict, prompt_lengths,
+                          read_dataset, score_completions)
+from tepokit.tests.helpers import MICRO
 
 
 @pytest.mark.parametrize("text, strict, lenient", [
@@ -100,3 +104,111 @@ def test_malformed_jsonl_is_reported_by_file_and_line(tmp_path):
         assert e.value.code == 2 and len(err.getvalue().splitlines()) == 1
         assert str(path) in err.getvalue() and all(n in err.getvalue() for n in needles), err.getvalue()
         assert "hub" not in err.getvalue()
+
+
+# ---- validation on load (tepokit/task.py::validate_task) -------------------------------------------------
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in rows))
+    return str(path)
+
+
+def load_with_stderr(**args):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        task = load_task(ts.Args(**args))
+    return task, err.getvalue().splitlines()
+
+
+def refusal(tmp_path, *flags):
+    """Exit status and stderr of a whole run refused while loading its data; what it left in tmp_path."""
+    before = sorted(os.listdir(tmp_path))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+        ts.main([*MICRO, "--steps", "1", "--out", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache"),
+                 *flags])
+    assert sorted(os.listdir(tmp_path)) == before                         # nothing created on disk
+    return e.value.code, err.getvalue().splitlines()
+
+
+def test_the_built_in_task_passes_validation_unchanged_and_silently():
+    args = ts.Args(n_train=4000, n_test=500)
+    task, err = load_with_stderr(n_train=4000, n_test=500)
+    made = make_arithmetic_task(args.difficulty, args.n_train, args.n_test, args.seed, args.ops, args.sft_noise)
+    assert err == []
+    for split in ("train", "test"):
+        assert task[split].to_list() == made[split].to_list() and len(task[split]) == len(made[split]) > 0
+
+
+def test_unreadable_answers_are_counted_in_one_warning_and_left_out(tmp_path):
+    rows = [(f"What is {i} plus 1?", f"#### {i + 1}") for i in range(20)]
+    rows[3] = ("What is 3 plus 1?", "four")
+    rows[7] = ("What is 7 plus 1?", "{eight}, I think")                   # braces are text, not a format
+    task, err = load_with_stderr(dataset=write_jsonl(tmp_path / "d.jsonl", rows), n_test=5)
+    assert len(err) == 1 and err[0].startswith("train_small.py: warning: dataset ")
+    assert "2 of 20 (" in err[0] and "answers have no number the reward can read" in err[0], err
+    assert "'four'" in err[0] or "'{eight}, I think'" in err[0]
+    kept = list(task["train"]["answer"]) + list(task["test"]["answer"])
+    assert len(kept) == 18 and "four" not in kept and all(gold_answer(a) is not None for a in kept)
+
+
+def test_no_readable_answer_is_refused_in_one_line_and_nothing_is_created(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [(f"Count to {i}.", "seven") for i in range(12)])
+    code, err = refusal(tmp_path, "--dataset", path)
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"train_small.py: error: dataset {path}: none of the ") and "'seven'" in err[0]
+    assert "#### <number>" in err[0]
+
+
+def test_training_rows_that_ask_a_test_question_are_removed_with_a_count(tmp_path):
+    rows = [(f"What is {i} times 2?", f"#### {2 * i}") for i in range(15)] * 2      # every question twice
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    args = ts.Args(dataset=path, n_test=6)
+    raw = read_dataset(args)
+    test_questions = set(raw["test"]["question"])
+    shared = sum(q in test_questions for q in raw["train"]["question"])
+    assert shared >= 1                                                     # the split did put copies on both sides
+    task, err = load_with_stderr(dataset=path, n_test=6)
+    assert len(err) == 1 and f"{shared} of {len(raw['train'])} ({shared} train) training rows ask a question " \
+                             "of the test split" in err[0], err
+    assert len(task["train"]) == len(raw["train"]) - shared
+    assert not set(task["train"]["question"]) & set(task["test"]["question"])
+    assert list(task["test"]["question"]) == list(raw["test"]["question"])  # the test split is kept whole
+
+
+def test_over_long_questions_are_counted_and_cut_so_the_warm_up_stays_within_the_budget(tmp_path, capsys):
+    """A 100,000-character question (the built-in tokenizer: one token per character) is counted on loading
+    and cut from the left by the warm-up as by generation: a real run with the warm-up goes through."""
+    rows = [(f"What is {i} plus 1?", f"#### {i + 1}") for i in range(12)]
+    rows[5] = ("Sum the digits: " + "9" * 100_000 + "?", "#### 900000")
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    task, err = load_with_stderr(dataset=path, n_test=4)
+    prompt = len(rows[5][0]) + 1                                          # the prompt ends in a newline
+    assert len(err) == 1 and "1 of 12 (" in err[0] and "questions are longer than --max-prompt-tokens=256 " \
+                             f"tokens (the longest has {prompt}); they are cut from the left" in err[0], err
+    assert prompt == 100_018 and len(task["train"]) + len(task["test"]) == 12          # kept, not dropped
+    assert ts.main([*MICRO, "--steps", "1", "--warmup-steps", "5", "--dataset", path, "--n-test", "4",
+                    "--out", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache")]) == 0
+    assert "1 of 12" in capsys.readouterr().err
+
+
+def test_the_count_of_over_long_questions_covers_both_splits(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [(f"Question {i}: " + "x" * 40, f"#### {i}") for i in range(12)])
+    task, err = load_with_stderr(dataset=path, max_prompt_tokens=50, n_test=2)
+    longest = len("Question 10: " + "x" * 40 + "\n")                       # the two-digit ones: 54 characters
+    over = {split: sum(len(q) + 1 > 50 for q in task[split]["question"]) for split in ("train", "test")}
+    parts = ", ".join(f"{n} {split}" for split, n in over.items() if n)
+    assert len(err) == 1 and f"2 of 12 ({parts}) questions" in err[0], err
+    assert f"longer than --max-prompt-tokens=50 tokens (the longest has {longest})" in err[0], err
+
+
+def test_the_prompt_budget_counts_the_tokens_of_the_model_given(tmp_path):
+    """With --model, prompts are measured in that model's tokens (here one per word), not characters."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(tmp_path)
+    question = "How many apples are left over?"
+    assert prompt_lengths([question], ts.Args()) == [len(question) + 1]           # characters and the newline
+    assert prompt_lengths([question], ts.Args(model=str(tmp_path))) == [7]        # six words and "?"
