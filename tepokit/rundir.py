@@ -20,6 +20,7 @@ import torch
 
 import tepo
 from tepokit.errors import fail, first_line
+from tepokit.hub import without_transformers_bars
 from tepokit.stats import accuracy_auc, pearson
 
 
@@ -265,8 +266,9 @@ def save_pretrained_atomically(model, tokenizer, final_dir: str) -> None:
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=parent, prefix=".tmp-")
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        with without_transformers_bars():
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
     except BaseException as e:         # nothing half-written stays; a failed write is an OSError (one line)
         shutil.rmtree(tmp, ignore_errors=True)
         code = re.search(r"os error (\d+)", str(e))     # safetensors reports the OS's error in its own type

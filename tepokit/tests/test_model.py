@@ -1,14 +1,19 @@
 """tepokit/model.py: the built-in tokenizer, loading a model (end tokens, dropout off), the warm-up cache."""
 import dataclasses
 import os
+import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import torch
 
 import train_small as ts
 from tepokit.forward import completion_logits
 from tepokit.model import build_char_tokenizer, eos_ids_of, load_policy, prepare_start_model, warmup_cache_dir
-from tepokit.tests.helpers import micro_run, hand_batch
+from tepokit.tests.helpers import MICRO, SCRIPT, micro_run, hand_batch
 
 
 def test_char_tokenizer_round_trip_and_pad_is_eos():
@@ -81,3 +86,18 @@ def test_cache_dir_flag_places_and_prints_the_warm_up_cache(tmp_path, capsys):
     Path(cache, "config.json").write_text("{}")
     assert prepare_start_model(args, None, torch.device("cpu")) == cache
     assert cache in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("engine", ["tepo", "trl"])
+def test_a_micro_run_prints_no_warning_and_no_transformers_bar(tmp_path, engine):
+    """What a run prints is for the user: no warning they cannot act on (transformers' loss_type=None at the
+    warm-up's first loss, TRL's FutureWarning) and no "Loading weights" / "Writing model shards" bars. The run
+    starts in an empty directory, so the warm-up runs and saves its cache (where those showed)."""
+    done = subprocess.run([sys.executable, SCRIPT, *MICRO, "--steps", "2", "--engine", engine, "--out", "run"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    printed = done.stdout + done.stderr
+    assert done.returncode == 0, printed[-2000:]
+    assert "held-out accuracy" in done.stdout                     # the run did print its result
+    lines = re.split(r"[\r\n]+", printed)                         # a bar redraws itself with carriage returns
+    assert [line for line in lines if re.search(r"warn", line, re.IGNORECASE)] == []
+    assert [line for line in lines if re.search(r"Loading|Writing model shards|Fetching", line)] == []
