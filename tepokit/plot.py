@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from tepokit import errors
-from tepokit.errors import fail, os_error_line
+from tepokit.errors import fail, first_line, os_error_line
 from tepokit.rundir import read_log
 
 PROGRAM = "python -m tepokit.plot"
@@ -25,18 +25,32 @@ PROGRAM = "python -m tepokit.plot"
 def read_run(run_dir, name: str | None = None) -> dict | None:
     """{name, metrics, steps, config, summary, details, planned} of a run directory, or None when it has no
     metrics.jsonl. `steps` are the rows of RL steps (row 0 is the start model's evaluation); `details` is
-    details.jsonl (TEPO runs only) or None; `planned` the --steps of config.json."""
+    details.jsonl (TEPO runs only) or None; `planned` the --steps of config.json. A damaged file raises
+    ValueError with one line that names it (a damaged .jsonl line ends the program in one line: read_log)."""
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
         return None
     run = {"name": name or run_dir.name, "metrics": read_log(str(run_dir / "metrics.jsonl"))}
     for key in ("config", "summary"):
         path = run_dir / f"{key}.json"
-        run[key] = json.loads(path.read_text()) if path.is_file() else None
+        try:
+            run[key] = json.loads(path.read_text()) if path.is_file() else None
+        except ValueError as e:           # not JSON, or not text
+            raise ValueError(f"{path} is damaged ({type(e).__name__}: {first_line(e)})") from e
     run["details"] = read_log(str(run_dir / "details.jsonl")) if (run_dir / "details.jsonl").is_file() else None
-    run["steps"] = [r for r in run["metrics"] if r.get("step", 0) > 0 and "entropy" in r]
-    run["planned"] = run["config"]["args"]["steps"] if run["config"] else None
+    for log, rows in (("metrics.jsonl", run["metrics"]), ("details.jsonl", run["details"] or [])):
+        bad = next((n for n, r in enumerate(rows, 1) if not (isinstance(r, dict) and type(r.get("step")) is int)), 0)
+        if bad:
+            raise ValueError(f"{run_dir / log}, line {bad}: not the row of a step (an object with an integer step)")
+    run["steps"] = [r for r in run["metrics"] if r["step"] > 0 and "entropy" in r]
+    run["planned"] = setting(run, "steps")
     return run
+
+
+def setting(run: dict, name: str):
+    """A setting of the run's train_small.py Args from its config.json, or None when that is missing."""
+    config = run["config"] if isinstance(run["config"], dict) else {}
+    return config.get("args", {}).get(name) if isinstance(config.get("args"), dict) else None
 
 
 def series(run: dict, key: str, skip_skipped: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -119,7 +133,7 @@ def accuracy_and_reward(plt, run: dict):
         return "no eval/accuracy in metrics.jsonl"
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     left.plot(x, accuracy, "o-", color="k", label="greedy (eval/accuracy)")
-    k = run["config"]["args"]["pass_k"] if run["config"] else None
+    k = setting(run, "pass_k")
     for key, style, label in ((f"eval/mean@{k}", "s--", f"one sample at temperature (eval/mean@{k})"),
                               (f"eval/pass@{k}", "^:", f"any of {k} samples (eval/pass@{k})")):
         xs, ys = series(run, key)
@@ -227,7 +241,10 @@ def write_figures(argv) -> int:
     run_dir = Path(parser.parse_args(argv).run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
         fail(f"{run_dir} is not a run directory of train_small.py (it has no metrics.jsonl); give a run's --out")
-    run = read_run(run_dir)
+    try:
+        run = read_run(run_dir)
+    except ValueError as e:
+        fail(f"{e}; the run's logs are damaged")
     if not run["metrics"]:
         fail(f"{run_dir / 'metrics.jsonl'} is empty: the run has not logged its first evaluation yet")
     import matplotlib

@@ -65,6 +65,8 @@ def test_a_run_without_details_gets_its_figures_and_a_note_for_the_kl_mask(micro
     ("no_metrics", "is not a run directory of train_small.py (it has no metrics.jsonl)"),
     ("empty_metrics", "metrics.jsonl is empty: the run has not logged its first evaluation yet"),
     ("damaged_metrics", "metrics.jsonl, line 2: not a JSON row"),
+    ("rows_without_steps", "metrics.jsonl, line 2: not the row of a step (an object with an integer step)"),
+    ("damaged_config", "config.json is damaged (JSONDecodeError: "),
 ])
 def test_bad_input_is_refused_in_one_line_with_exit_status_2_and_nothing_written(tmp_path, capsys, case, needle):
     run_dir = tmp_path / "run"
@@ -73,6 +75,11 @@ def test_bad_input_is_refused_in_one_line_with_exit_status_2_and_nothing_written
         (run_dir / "config.json").write_text("{}")
     if case == "empty_metrics":
         (run_dir / "metrics.jsonl").write_text("")
+    if case == "rows_without_steps":
+        (run_dir / "metrics.jsonl").write_text('{"step": 0}\n[1, 2]\n')
+    if case == "damaged_config":
+        (run_dir / "config.json").write_text('{"args": ')
+        (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
     if case == "damaged_metrics":
         (run_dir / "metrics.jsonl").write_text(f'{json.dumps({"step": 0})}\n{{not json\n{json.dumps({"step": 1})}\n')
     before = sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else None
