@@ -1,18 +1,18 @@
 """Helpers shared by the notebooks in this folder, written once here instead of in each notebook.
 
-- where things are: REPO (the repository root, put on sys.path so `import tepo` finds tepo.py), LOGS, FIGURES;
+- where things are: REPO (the repository root, put on sys.path so `import tepo` finds tepo.py), and where the
+  notebook reads runs and saves figures: read_runs_from(RUN_DIR), the parameter of each notebook's first code cell;
 - the reference logs: the training commands of logs/COMMANDS.md (the one place they are written) and
   regenerate_logs(), load_run() for one run directory, series() for one metric;
 - small statistics: smooth(), standard errors and 95% intervals, so that verdicts stay within the data;
 - plotting: the shared style, LABELS and COLORS per objective, smoothed_band(), save_figure() for the README.
 
-Log reading and the statistics are the project's own: tepokit.rundir.read_log() and tepokit.stats's pearson()
-and t_interval(), the ones train_small.py and --compare use.
+Reading a run directory, series(), smooth(), smoothed_band() and the PNG writing are tepokit.plot's (the ones
+`python -m tepokit.plot RUN_DIR` draws with); log reading and the statistics are the project's own:
+tepokit.rundir.read_log() and tepokit.stats's pearson() and t_interval(), the ones train_small.py and --compare use.
 """
 from __future__ import annotations
 
-import io
-import json
 import math
 import os
 import shlex
@@ -30,16 +30,54 @@ if str(REPO) not in sys.path:
 
 import matplotlib.pyplot as plt  # noqa: E402
 
+from tepokit.plot import per_minibatch, read_run, save_png, series, smooth, smoothed_band  # noqa: E402,F401
 from tepokit.rundir import read_log  # noqa: E402,F401
 from tepokit.stats import pearson, t_interval  # noqa: E402,F401
 
-# The logs: notebooks/logs/ (committed), or the directory named by the TEPO_NOTEBOOK_LOGS environment variable
-# (a relative path is taken from the repository root, where train_small.py writes runs/).
-LOGS = (REPO / Path(os.environ["TEPO_NOTEBOOK_LOGS"]).expanduser()).resolve() if os.environ.get("TEPO_NOTEBOOK_LOGS") \
-    else NB_DIR / "logs"
-FIGURES = NB_DIR / "figures"
 COMMANDS_FILE = NB_DIR / "logs" / "COMMANDS.md"
 LOG_FILES = ("config.json", "metrics.jsonl", "summary.json", "details.jsonl")   # not checkpoints or weights
+
+# Where the notebook reads runs (LOGS: a directory of run directories; ONE_RUN: a single run directory, or None)
+# and saves its figures (FIGURES). read_runs_from() sets them; importing this module reads the committed logs.
+LOGS, ONE_RUN, FIGURES = NB_DIR / "logs", None, NB_DIR / "figures"
+
+
+def read_runs_from(run_dir: str | os.PathLike | None = None) -> None:
+    """Point the notebook at its runs.
+
+    None: the committed logs in notebooks/logs/, and the key figures are saved to notebooks/figures/ (the README
+    shows them); the environment variable TEPO_NOTEBOOK_LOGS, when set, is taken as `run_dir` (the older way).
+    Otherwise `run_dir` (relative: from the repository root, where train_small.py writes runs/) is
+    - a run directory of train_small.py (its --out): it takes the place of the committed run of its objective,
+      <objective>__1; sections about other runs say that they are skipped;
+    - or a directory of run directories named as notebooks/logs/ names them (the --out of a --compare:
+      <objective>__<seed>, regime comparisons below it).
+    The figures of your runs go to <run_dir>/figures/, never to notebooks/figures/."""
+    global LOGS, ONE_RUN, FIGURES
+    run_dir = run_dir or os.environ.get("TEPO_NOTEBOOK_LOGS") or None
+    if run_dir is None:
+        LOGS, ONE_RUN, FIGURES = NB_DIR / "logs", None, NB_DIR / "figures"
+        return
+    path = (REPO / Path(run_dir).expanduser()).resolve()
+    if not path.is_dir():
+        raise FileNotFoundError(f"RUN_DIR = {str(run_dir)!r} is not a directory (a relative path is read from the "
+                                "repository root); give the --out of a run of train_small.py, or None")
+    single = (path / "metrics.jsonl").is_file()
+    if not single and not any(path.glob("*/metrics.jsonl")) and not any(path.glob("*/*/metrics.jsonl")):
+        raise FileNotFoundError(f"RUN_DIR = {str(run_dir)!r} holds no run of train_small.py (no metrics.jsonl in it "
+                                "or in its subdirectories); give the --out of a run, or None")
+    LOGS, ONE_RUN, FIGURES = path, path if single else None, path / "figures"
+
+
+def shown_path(path: Path) -> str:
+    """A path as the notebooks print it: relative to the repository root, so no output shows a machine's
+    directories (a directory outside the repository is shown by its name only)."""
+    path = Path(path).resolve()
+    if path.is_relative_to(REPO):
+        return f"{path.relative_to(REPO)}/"
+    inside = path.relative_to(LOGS).as_posix() + "/" if path.is_relative_to(LOGS) and path != LOGS else ""
+    return f"<RUN_DIR: {(LOGS if path.is_relative_to(LOGS) else path).name}>/{inside}"
+
 
 OBJECTIVES = ["grpo", "dr_grpo", "dapo", "gspo", "tepo", "mpo", "clip_cov", "kl_cov"]
 LABELS = {"grpo": "GRPO", "dr_grpo": "Dr. GRPO", "dapo": "DAPO", "gspo": "GSPO", "tepo": "TEPO",
@@ -59,13 +97,6 @@ COLORS |= {"grpo_beta=0": plt.cm.tab20.colors[1], "tepo_entropy_criterion=measur
 
 plt.rcParams.update({"figure.dpi": 90, "axes.grid": True, "grid.alpha": 0.3, "font.size": 10,
                      "axes.titlesize": 10, "legend.fontsize": 8})
-
-
-def shown_path(path: Path) -> str:
-    """A path as the notebooks print it: relative to the repository root, so no output shows a machine's
-    directories (a logs directory outside the repository is shown by its name only)."""
-    path = Path(path).resolve()
-    return f"{path.relative_to(REPO)}/" if path.is_relative_to(REPO) else f"<TEPO_NOTEBOOK_LOGS: {path.name}>/"
 
 
 # ---- the reference logs ------------------------------------------------------------------------------------
@@ -106,17 +137,13 @@ def regenerate_logs() -> None:
 
 
 def load_run(name: str) -> dict | None:
-    """{metrics, steps, config, summary, details, planned} of LOGS/<name>, or None when it has no metrics.jsonl."""
-    d = LOGS / name
-    if not (d / "metrics.jsonl").is_file():
-        return None
-    run = {"name": name, "metrics": read_log(str(d / "metrics.jsonl"))}
-    for key in ("config", "summary"):
-        run[key] = json.loads((d / f"{key}.json").read_text()) if (d / f"{key}.json").is_file() else None
-    run["details"] = read_log(str(d / "details.jsonl")) if (d / "details.jsonl").is_file() else None
-    run["steps"] = [r for r in run["metrics"] if r.get("step", 0) > 0 and "entropy" in r]   # RL steps (row 0: eval)
-    run["planned"] = run["config"]["args"]["steps"] if run["config"] else None
-    return run
+    """{metrics, steps, config, summary, details, planned} of LOGS/<name> (tepokit.plot.read_run), or None when
+    it has no metrics.jsonl. With a single run directory (read_runs_from), that run answers to
+    <its objective>__1 and no other name."""
+    if ONE_RUN is not None:
+        config = read_run(ONE_RUN)["config"]
+        return read_run(ONE_RUN, name) if config and name == f"{config['args']['objective']}__1" else None
+    return read_run(LOGS / name, name)
 
 
 def describe(run: dict) -> str:
@@ -124,19 +151,6 @@ def describe(run: dict) -> str:
     state = "finished" if run["summary"] else "UNFINISHED (no summary.json)"
     details = "" if run["details"] is None else f", details.jsonl {len(run['details'])} rows"
     return f"{done} of {planned if planned else '?'} steps, {state}{details}"
-
-
-def series(run: dict, key: str, skip_skipped: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Steps and finite values of one metric (optionally without DAPO-filter steps that made no update)."""
-    xs, ys = [], []
-    for r in run["metrics"]:
-        v = r.get(key)
-        if skip_skipped and r.get("dynamic_sampling/skipped", 0) == 1:
-            continue
-        if isinstance(v, (int, float)) and math.isfinite(v):
-            xs.append(r["step"])
-            ys.append(v)
-    return np.array(xs), np.array(ys, dtype=float)
 
 
 def load_regime(regime: str) -> dict[str, dict[int, dict]]:
@@ -161,18 +175,6 @@ def eval_size(run: dict) -> int:
 
 
 # ---- statistics --------------------------------------------------------------------------------------------
-
-def smooth(y, window: int) -> np.ndarray:
-    """Centred moving average over `window` points; the window shrinks at both ends."""
-    y = np.asarray(y, dtype=float)
-    if len(y) == 0:
-        return y
-    half = window // 2
-    c = np.concatenate([[0.0], np.cumsum(y)])
-    i = np.arange(len(y))
-    lo, hi = np.maximum(0, i - half), np.minimum(len(y), i + half + 1)
-    return (c[hi] - c[lo]) / (hi - lo)
-
 
 def binomial_se(p: float, n: int) -> float:
     """Standard error of a fraction p measured on n independent trials."""
@@ -234,7 +236,9 @@ def verdict(stats: dict) -> str:
 
 def correlation_interval(r: float, n: int) -> tuple[float, float]:
     """95% interval of a Pearson r measured on n independent pairs (Fisher's z = atanh r is nearly normal,
-    with standard error 1/sqrt(n - 3))."""
+    with standard error 1/sqrt(n - 3)); nan, nan when n <= 3 (a short run of your own: no interval)."""
+    if n <= 3:
+        return math.nan, math.nan
     half = 1.96 / math.sqrt(n - 3)
     return math.tanh(math.atanh(r) - half), math.tanh(math.atanh(r) + half)
 
@@ -245,14 +249,6 @@ def clearly_nonzero(estimate: float, se: float) -> bool:
 
 
 # ---- plotting ----------------------------------------------------------------------------------------------
-
-def smoothed_band(ax, x, y, color, label, window: int) -> None:
-    """Moving average (line) and the moving standard deviation of single steps around it (band)."""
-    m = smooth(y, window)
-    sd = np.sqrt(np.maximum(0.0, smooth(np.asarray(y, dtype=float) ** 2, window) - m ** 2))
-    ax.fill_between(x, m - sd, m + sd, color=color, alpha=0.15, lw=0)
-    ax.plot(x, m, color=color, lw=2, label=label)
-
 
 def seed_band(ax, runs: dict[int, dict], key: str, color, label: str, window: int = 1) -> None:
     """One metric over the steps of several seeds: the mean over seeds (line) and the range from the lowest to the
@@ -267,15 +263,11 @@ def seed_band(ax, runs: dict[int, dict], key: str, color, label: str, window: in
 
 
 def save_figure(fig, filename: str) -> None:
-    """Save a key figure for the README: notebooks/figures/, 110 dpi, RGB (no alpha channel, smaller file),
-    no timestamp (the same logs give the same bytes)."""
-    from PIL import Image
+    """Save a key figure to FIGURES (tepokit.plot.save_png: the same logs give the same bytes): notebooks/figures/
+    for the committed logs (the README shows them), <RUN_DIR>/figures/ for your runs."""
     try:
         FIGURES.mkdir(exist_ok=True)
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=110)
-        buf.seek(0)
-        Image.open(buf).convert("RGB").save(FIGURES / filename, optimize=True)
-        print(f"saved notebooks/figures/{filename} ({(FIGURES / filename).stat().st_size // 1024} KB)")
+        size = save_png(fig, FIGURES / filename)
+        print(f"saved {shown_path(FIGURES)}{filename} ({size // 1024} KB)")
     except OSError as err:
         print(f"could not save {filename}: {err}")

@@ -36,6 +36,51 @@ def field_comments(cls) -> dict[str, str]:
     return comments
 
 
+@functools.cache
+def field_sections(cls) -> dict[str, str]:
+    """The section of each dataclass field, from the `# --- name ---` comment lines above it in the source."""
+    sections, current = {}, None
+    for line in inspect.getsource(cls).splitlines():
+        if m := re.match(r"\s+# --- (.+) ---", line):
+            current = m.group(1)
+        elif m := re.match(r"\s+(\w+)\s*:", line):
+            sections[m.group(1)] = current
+    return sections
+
+
+# --help in four groups: the sections of train_small's Args, each in a group, with a few flags moved to the group a
+# reader looks in for them. Every objective setting (tepo.ObjectiveConfig) is in "objective".
+HELP_GROUPS = {     # name: description (its line breaks are kept: the examples need a raw formatter)
+    "task and model": "What is learned, and by which model: the task, the model, its supervised warm-up.",
+    "objective": "The RL objective and how each step uses it: --objective, --regime, the rollout, the update,\n"
+                 "and the objective settings (from --eps-low on), which default to the chosen objective's paper\n"
+                 "value (tepo.py section 2); a setting the objective does not read is reported and has no effect.",
+    "run control": "Where the run goes and how it runs: seed, steps, files, device, evaluation and\n"
+                   "measurement, resuming.",
+    "experiments": "Several runs at once: objectives compared on the same seeds, or our step timed against TRL's.",
+}
+GROUP_OF_SECTION = {"run": "run control", "model": "task and model", "task": "task and model",
+                    "supervised warm-up": "task and model", "rollout": "objective", "update": "objective",
+                    "measurement": "run control", "modes": "experiments"}
+GROUP_OF_FIELD = {"objective": "objective", "regime": "objective", "target_accuracy": "experiments",
+                  "resume": "run control", "stop_after": "run control"}
+
+EXAMPLES = """examples:
+  python train_small.py                                  # the built-in task and model, TEPO, seed 1 (minutes on a CPU)
+  python train_small.py --objective grpo --seed 2        # another objective, another seed
+  python train_small.py --objective dapo --eps-high 0.3  # an objective setting of your own
+  python train_small.py --compare grpo,tepo --seeds 3    # two objectives on the same seeds, paired by seed
+  python -m tepokit.plot runs/<run>                      # a run's figures, as PNG files in runs/<run>/figures/
+  python train_small.py --resume runs/<run>              # continue an interrupted run where it stopped
+  python train_small.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --max-new-tokens 256
+                                                         # a real model and data set (the hub must be reachable)"""
+
+
+def help_group(Args, name: str) -> str:
+    """The --help group of field `name` of Args (GROUP_OF_FIELD, else its section's group)."""
+    return GROUP_OF_FIELD.get(name) or GROUP_OF_SECTION[field_sections(Args)[name]]
+
+
 # ---- valid values of every flag --------------------------------------------------------------------
 # One table, checked before anything is created or loaded: a bad value is one line on stderr naming
 # the flag, the value and what is valid, exit status 2. On top of each row: numbers must be finite
@@ -342,24 +387,25 @@ def build_parser(Args) -> argparse.ArgumentParser:
     dataclasses' defaults fill in the rest, so the run knows which flags were given (--resume)."""
     parser = argparse.ArgumentParser(
         prog="train_small.py", usage="python train_small.py [options]", argument_default=argparse.SUPPRESS,
-        description="Group-relative RL (GRPO, DAPO, GSPO, TEPO, ...) on a tiny model in one file.")
+        description="Group-relative RL (GRPO, DAPO, GSPO, TEPO, ...) on a tiny model in one file.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)    # the examples keep their lines
     parser.error = fail   # argparse's own errors (unknown flag, missing value) become one line too
+    groups = {name: parser.add_argument_group(name, text) for name, text in HELP_GROUPS.items()}
     kinds = field_kinds(Args)
     helps = field_comments(Args)
     for f in dataclasses.fields(Args):
+        group = groups[help_group(Args, f.name)]
         if f.name == "stop_after":    # for the tests of --resume only
-            parser.add_argument(flag(f.name), type=converter(kinds, f.name), help=argparse.SUPPRESS)
+            group.add_argument(flag(f.name), type=converter(kinds, f.name), help=argparse.SUPPRESS)
             continue
         default = ("on" if f.default else "off") if isinstance(f.default, bool) else f.default
         shown = f.default is None or "(default" in helps[f.name]
-        add_flag(parser, kinds, f.name, helps[f.name] + ("" if shown else f" (default: {default})"))
-    group = parser.add_argument_group(
-        "objective settings", "Each defaults to the chosen objective's paper value (tepo.py section 2); "
-        "a setting the objective does not read is reported and has no effect.")
+        add_flag(group, kinds, f.name, helps[f.name] + ("" if shown else f" (default: {default})"))
     obj_helps = field_comments(tepo.ObjectiveConfig)
     for f in dataclasses.fields(tepo.ObjectiveConfig):
         text = CLI_HELP.get(f.name, re.sub(r"\bNone\b", "none", obj_helps[f.name]))
-        add_flag(group, kinds, f.name, f"{text}. Default: the objective's paper value: {paper_values(f.name)}")
+        add_flag(groups["objective"], kinds, f.name,
+                 f"{text}. Default: the objective's paper value: {paper_values(f.name)}")
     return parser
 
 

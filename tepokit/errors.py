@@ -7,14 +7,17 @@ import errno
 import os
 import sys
 
+PROGRAM = "train_small.py"       # the command an error line names; python -m tepokit.plot sets its own
+
+
 def fail(message: str) -> None:
     """A user mistake: one line on stderr, exit status 2, no traceback."""
-    print(f"train_small.py: error: {message}", file=sys.stderr)
+    print(f"{PROGRAM}: error: {message}", file=sys.stderr)
     raise SystemExit(2)
 
 
 def warn(message: str) -> None:
-    print(f"train_small.py: warning: {message}", file=sys.stderr)
+    print(f"{PROGRAM}: warning: {message}", file=sys.stderr)
 
 
 def first_line(e: BaseException) -> str:

@@ -1,8 +1,9 @@
-"""The Hugging Face hub: found unreachable in seconds (then loading is offline), and the one line
-said when a model or data set cannot be had."""
+"""The Hugging Face hub: found unreachable in seconds (then loading is offline), the one line said when a
+model or data set cannot be had, and transformers' own progress bars kept off the console where they say nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import urllib.error
@@ -40,3 +41,20 @@ def use_offline_hub_if_unreachable() -> str | None:
         if module in sys.modules:
             sys.modules[module].HF_HUB_OFFLINE = True
     return reason
+
+
+@contextlib.contextmanager
+def without_transformers_bars(when: bool = True):
+    """transformers' progress bars ("Loading weights", "Writing model shards") off inside the block (if `when`):
+    for the built-in model and for our own saves they flash by in milliseconds and tell the user nothing. Our
+    bars (warm-up, RL steps) are not transformers' and stay. transformers turns the hub's download bars off with
+    its own, so loading a real model (`when` False) keeps them: its download and load take a while."""
+    from transformers.utils import logging
+    was_on = logging.is_progress_bar_enabled()
+    if when:
+        logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            logging.enable_progress_bar()

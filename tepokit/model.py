@@ -11,8 +11,8 @@ import os
 import torch
 from tqdm.auto import tqdm
 
-from tepokit.hub import cannot_load, use_offline_hub_if_unreachable
 from tepokit.errors import fail
+from tepokit.hub import cannot_load, use_offline_hub_if_unreachable, without_transformers_bars
 from tepokit.rundir import lock_file, save_pretrained_atomically
 from tepokit.task import format_prompt, task_fingerprint, task_seed
 
@@ -50,7 +50,11 @@ def tiny_model_config(args, tokenizer):
 def build_tiny_model(args, tokenizer):
     """A small causal LM from a transformers config, dropout off (ratios must be 1 on-policy)."""
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_config(tiny_model_config(args, tokenizer))
+    model = AutoModelForCausalLM.from_config(tiny_model_config(args, tokenizer))
+    # transformers infers the loss from the class name, and GPT2LMHeadModel's does not say "ForCausalLM": without
+    # this the warm-up's first loss warns that loss_type=None is unrecognized (and then uses this loss anyway).
+    model.loss_type = "ForCausalLM"
+    return model
 
 
 def builtin_tokenizer(task):
@@ -203,10 +207,11 @@ def load_policy(path: str, args, device):
     offline_reason = None if os.path.exists(path) else use_offline_hub_if_unreachable()
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-        # fp32 weights (Adam's master copy); with --precision bf16 the forward passes run under autocast
-        model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=args.trust_remote_code,
-                                                     dtype=torch.float32)
+        with without_transformers_bars(when=args.model is None):
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+            # fp32 weights (Adam's master copy); with --precision bf16 the forward passes run under autocast
+            model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=args.trust_remote_code,
+                                                         dtype=torch.float32)
     except Exception as e:  # noqa: BLE001 -- any loading failure is a user-facing one-liner
         cannot_load("model", path, e, offline_reason,
                     "give a local model directory, or run without --model for the built-in tiny model")

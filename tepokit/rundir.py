@@ -20,6 +20,7 @@ import torch
 
 import tepo
 from tepokit.errors import fail, first_line
+from tepokit.hub import without_transformers_bars
 from tepokit.stats import accuracy_auc, pearson
 
 
@@ -265,8 +266,9 @@ def save_pretrained_atomically(model, tokenizer, final_dir: str) -> None:
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=parent, prefix=".tmp-")
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        with without_transformers_bars():
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
     except BaseException as e:         # nothing half-written stays; a failed write is an OSError (one line)
         shutil.rmtree(tmp, ignore_errors=True)
         code = re.search(r"os error (\d+)", str(e))     # safetensors reports the OS's error in its own type
@@ -429,9 +431,9 @@ def print_summary(summary: dict, rows: list[dict], args, wall: float) -> None:
     if masks:
         rows_out.append(("KL mask (TEPO)", f"{100 * sum(masks) / len(masks):.1f}% of tokens on average"))
     rows_out += [("files", f"{run_dir}/ (metrics.jsonl, summary.json, checkpoint.pt, policy/)"),
-                 ("next", f"python -m tepokit.plot {run_dir}   # the run's figures"),
+                 ("next", f"python -m tepokit.plot {run_dir}   # the run's figures, as PNG files in its figures/"),
                  ("", "python train_small.py --compare grpo,tepo --seeds 3   # two objectives, paired by seed"),
-                 ("", "jupyter lab notebooks/entropy_dynamics.ipynb   # the notebooks")]
+                 ("", f"jupyter lab notebooks/entropy_dynamics.ipynb   # set RUN_DIR = \"{run_dir}\" in it")]
     took = f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
     lines = [f"done: {args.objective}, seed {args.seed}, {rows[-1]['step']} RL steps in {took}"]
     lines += [f"  {label:<20} {text}" for label, text in rows_out]

@@ -40,6 +40,7 @@ import dataclasses
 import json
 import os
 import sys
+import warnings
 from decimal import Decimal
 
 import torch
@@ -49,6 +50,7 @@ from trl import GRPOConfig, GRPOTrainer
 import tepo
 from tepokit.cli import objective_config
 from tepokit.errors import fail
+from tepokit.hub import without_transformers_bars
 from tepokit.model import prepare_start_model
 from tepokit.rundir import (check_same_run, claim_run_dir, newest_trl_checkpoint, read_log, run_identity, run_name,
                             seed_everything, to_json, write_atomically, write_json)
@@ -291,8 +293,9 @@ def train(args, obj_overrides: dict, evaluate) -> dict:
     prompts = datasets.Dataset.from_dict({"prompt": [format_prompt(q) for q in questions],
                                           "gold": ["" if g is None else str(g) for g in golds]})
     config = grpo_config(args.objective, cfg, output_dir=run_dir, use_cpu=device.type == "cpu", **settings)
-    trainer = TepoGRPOTrainer(model=start_model, reward_funcs=task_rewards(args, cfg), args=config,
-                              train_dataset=prompts, objective=args.objective, objective_config=cfg)
+    with without_transformers_bars(when=args.model is None):
+        trainer = TepoGRPOTrainer(model=start_model, reward_funcs=task_rewards(args, cfg), args=config,
+                                  train_dataset=prompts, objective=args.objective, objective_config=cfg)
     identity = run_identity(args.objective, trainer.model, trainer.processing_class, task_fingerprint(task))
     skipped = {"adv_eps": f"{cfg.adv_eps} -> TRL's 1e-4", "dynamic_sampling": cfg.dynamic_sampling}
     optimizer_steps = args.mini_batches * args.epochs
@@ -311,7 +314,10 @@ def train(args, obj_overrides: dict, evaluate) -> dict:
                 "grpo_config": json.loads(json.dumps(config.to_dict(), default=str))})
             before = {"step": 0, **evaluate(trainer.model, trainer.processing_class, test, args, device)}
             write_atomically(metrics_path, lambda f: f.write((to_json(before) + "\n").encode()))
-    with StopSignals(finish_step=True) as stop:
+    with StopSignals(finish_step=True) as stop, without_transformers_bars(), warnings.catch_warnings():
+        # TRL 1.16 reads transformers' deprecated is_gradient_checkpointing at every generation: a FutureWarning
+        # about TRL's code that a user cannot act on (requirements.txt holds TRL to the tested 1.16).
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         trainer.add_callback(StopAtStepEnd(stop, optimizer_steps, identity))
         trainer.train(resume_from_checkpoint=newest_trl_checkpoint(run_dir)[0] if args.resume else None)
     if not state.is_main_process:
@@ -323,7 +329,8 @@ def train(args, obj_overrides: dict, evaluate) -> dict:
         print(f"{stop.name}: stopped after step {rows[-1]['step']}; resume with: python train_small.py --resume "
               f"{run_dir}", file=sys.stderr)
         raise SystemExit(stop.exit_status)
-    trainer.save_model(os.path.join(run_dir, "policy"))
+    with without_transformers_bars():
+        trainer.save_model(os.path.join(run_dir, "policy"))
     after = evaluate(trainer.model, trainer.processing_class, test, args, device)
     rows[-1].update(after)
     write_atomically(metrics_path, lambda f: f.write("".join(to_json(r) + "\n" for r in rows).encode()))

@@ -156,6 +156,40 @@ def test_help_tells_the_truth():
     assert "(default: 200)" in next(a.help for a in shown if a.dest == "steps")
 
 
+def test_help_groups_every_flag_once_and_its_examples_are_valid_command_lines():
+    """--help has the groups task and model, objective, run control, experiments, in that order; every flag is in
+    exactly one of them (also in the printed text), a few where a reader looks for them; the examples at the end
+    are command lines that parse."""
+    parser = build_parser(ts.Args)
+    groups = {g.title: g for g in parser._action_groups if g.title in tepokit.cli.HELP_GROUPS}
+    assert list(groups) == ["task and model", "objective", "run control", "experiments"]
+    flags = {tepokit.cli.flag(name) for name, _ in non_hidden_flags()}
+    owners = {flag: [title for title, g in groups.items() for a in g._group_actions if flag in a.option_strings]
+              for flag in flags}
+    assert {flag: titles for flag, titles in owners.items() if len(titles) != 1} == {}
+    placed = {"--n-layer": "task and model", "--dataset": "task and model", "--warmup-steps": "task and model",
+              "--objective": "objective", "--regime": "objective", "--lr": "objective", "--eps-high": "objective",
+              "--kl-cov-ratio": "objective", "--seed": "run control", "--eval-every": "run control",
+              "--resume": "run control", "--compare": "experiments", "--target-accuracy": "experiments",
+              "--bench": "experiments"}
+    assert {flag: owners[flag][0] for flag in placed} == placed
+    text = parser.format_help()
+    headers = [text.index(f"\n{title}:\n") for title in groups] + [text.index("\nexamples:\n")]
+    assert headers == sorted(headers)
+    for flag, (title,) in owners.items():       # printed under its own header, and under no other
+        k = list(groups).index(title)
+        shown_in = [j for j in range(4) if re.search(rf"\n  {flag}[ ,\n]", text[headers[j]:headers[j + 1]])]
+        assert shown_in == [k], (flag, shown_in)
+    examples = text[headers[-1]:].splitlines()[1:]
+    assert any("python -m tepokit.plot runs/<run>" in line for line in examples)
+    assert any(line.strip().startswith("python train_small.py --resume runs/<run>") for line in examples)
+    runnable = [line.split("#")[0].split()[2:] for line in examples
+                if line.strip().startswith("python train_small.py") and "<" not in line]
+    assert len(runnable) >= 5
+    for argv in runnable:
+        assert parse_outcome(argv)[0] is None, argv               # accepted: no exit
+
+
 def test_resume_refuses_flags_that_change_what_is_computed(tmp_path):
     run_dir = fake_run(tmp_path / "run")
     line = assert_refused_in_one_line(["--resume", run_dir, "--lr", "5", "--objective", "dapo", "--eps-high", "0.3"],

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from tepokit.model import (START_MODEL_DIR, WARMUP_FILES, build_char_tokenizer, 
                            sft_batch, warmup_cache_dir)
 from tepokit.rundir import lock_file
 from tepokit.task import load_task
-from tepokit.tests.helpers import MICRO, REPO, hand_batch, micro_run, wait_until
+from tepokit.tests.helpers import MICRO, REPO, SCRIPT, hand_batch, micro_run, wait_until
 
 
 def test_char_tokenizer_round_trip_and_pad_is_eos():
@@ -204,3 +205,18 @@ def test_main_command_starts_from_the_committed_model_and_checks_its_files(tmp_p
     assert exit_info.value.code == 2
     message = capsys.readouterr().err.strip()
     assert "model.safetensors is damaged" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("engine", ["tepo", "trl"])
+def test_a_micro_run_prints_no_warning_and_no_transformers_bar(tmp_path, engine):
+    """What a run prints is for the user: no warning they cannot act on (transformers' loss_type=None at the
+    warm-up's first loss, TRL's FutureWarning) and no "Loading weights" / "Writing model shards" bars. The run
+    starts in an empty directory, so the warm-up runs and saves its cache (where those showed)."""
+    done = subprocess.run([sys.executable, SCRIPT, *MICRO, "--steps", "2", "--engine", engine, "--out", "run"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    printed = done.stdout + done.stderr
+    assert done.returncode == 0, printed[-2000:]
+    assert "held-out accuracy" in done.stdout                     # the run did print its result
+    lines = re.split(r"[\r\n]+", printed)                         # a bar redraws itself with carriage returns
+    assert [line for line in lines if re.search(r"warn", line, re.IGNORECASE)] == []
+    assert [line for line in lines if re.search(r"Loading|Writing model shards|Fetching", line)] == []

@@ -1,4 +1,6 @@
-"""notebooks/: every notebook runs headless; nbhelpers and the committed logs' commands."""
+"""notebooks/: every notebook runs headless, also pointed at a run of one's own; nbhelpers and the committed logs'
+commands."""
+import hashlib
 import math
 import os
 import re
@@ -9,7 +11,7 @@ import pytest
 
 import train_small as ts
 from tepokit.cli import parse_args
-from tepokit.tests.helpers import REPO
+from tepokit.tests.helpers import MICRO, REPO, run_main
 
 
 # Executes each notebook in a fresh python3 kernel on the CPU (cwd = notebooks/, 300 s per cell) and
@@ -18,8 +20,9 @@ from tepokit.tests.helpers import REPO
 NOTEBOOKS = sorted((Path(REPO) / "notebooks").glob("*.ipynb"))
 
 
-@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_executes(notebook):
+def executed(notebook: Path, run_dir: str | None = None):
+    """The notebook executed in memory (RUN_DIR of its first code cell set to `run_dir` if given); fails the test
+    with the cell's error when a cell raises."""
     reason = "notebook tests need nbclient, nbformat and ipykernel (pip install nbclient nbformat ipykernel)"
     nbformat = pytest.importorskip("nbformat", reason=reason)
     nbclient = pytest.importorskip("nbclient", reason=reason)
@@ -27,6 +30,10 @@ def test_notebook_executes(notebook):
     from nbclient.exceptions import CellExecutionError
 
     nb = nbformat.read(notebook, as_version=4)
+    if run_dir is not None:
+        first = next(cell for cell in nb.cells if cell.cell_type == "code")
+        assert first.source.startswith("RUN_DIR = None"), "the parameter is the first code cell's first line"
+        first.source = first.source.replace("RUN_DIR = None", f"RUN_DIR = {run_dir!r}", 1)
     client = nbclient.NotebookClient(
         nb, timeout=300, kernel_name="python3", record_timing=False,
         resources={"metadata": {"path": str(notebook.parent)}})   # kernel cwd = notebooks/
@@ -35,6 +42,68 @@ def test_notebook_executes(notebook):
     except CellExecutionError as err:
         message = re.sub(r"\x1b\[[0-9;]*m", "", str(err))                # drop ANSI colours
         pytest.fail(f"{notebook.name}: a cell raised\n{message}", pytrace=False)
+    return nb
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_executes(notebook):
+    executed(notebook)
+
+
+def printed(nb) -> str:
+    return "".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs)
+
+
+def figures_state() -> dict:
+    """notebooks/figures/: each file's content hash and modification time."""
+    return {p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in (Path(REPO) / "notebooks" / "figures").iterdir()}
+
+
+@pytest.fixture(scope="module")
+def micro_tepo_run(workdir):
+    run_main([*MICRO, "--steps", "6", "--out", "own_run"])
+    return str(workdir / "own_run")
+
+
+@pytest.mark.parametrize("name", ["entropy_dynamics", "kl_mask_activation"])
+def test_notebook_pointed_at_a_run_reads_it_and_saves_its_figures_there(micro_tepo_run, name):
+    """RUN_DIR = a run directory of train_small.py: the notebook reads that run (in the place of the committed
+    tepo__1), saves its figures into RUN_DIR/figures/ and leaves notebooks/figures/ as it was (same bytes, same
+    modification times)."""
+    before = figures_state()
+    text = printed(executed(Path(REPO) / "notebooks" / f"{name}.ipynb", micro_tepo_run))
+    assert figures_state() == before
+    assert "reading the logs in <RUN_DIR: own_run>/" in text and "6 of 6 steps, finished" in text
+    saved = re.findall(r"saved (.+?) \(\d+ KB\)", text)
+    assert len(saved) >= 3 and all(path.startswith("<RUN_DIR: own_run>/figures/") for path in saved), saved
+    from PIL import Image
+    for path in saved:
+        with Image.open(Path(micro_tepo_run) / "figures" / path.rsplit("/", 1)[1]) as image:
+            assert image.format == "PNG" and image.width > 300
+
+
+def test_notebooks_read_the_run_directory_parameter_and_its_older_environment_variable(tmp_path, monkeypatch):
+    """nbhelpers.read_runs_from: None reads the committed logs and saves to notebooks/figures/; TEPO_NOTEBOOK_LOGS
+    still stands for RUN_DIR; a directory that holds no run is refused in one line."""
+    sys.path.insert(0, os.path.join(REPO, "notebooks"))
+    import nbhelpers
+    (tmp_path / "grpo__1").mkdir()
+    (tmp_path / "grpo__1" / "metrics.jsonl").write_text('{"step": 0}\n')
+    try:
+        monkeypatch.setenv("TEPO_NOTEBOOK_LOGS", str(tmp_path))
+        nbhelpers.read_runs_from(None)
+        assert (nbhelpers.LOGS, nbhelpers.ONE_RUN, nbhelpers.FIGURES) == (tmp_path, None, tmp_path / "figures")
+        assert nbhelpers.load_run("grpo__1")["metrics"] == [{"step": 0}] and nbhelpers.load_run("tepo__1") is None
+        monkeypatch.delenv("TEPO_NOTEBOOK_LOGS")
+        (tmp_path / "empty").mkdir()
+        with pytest.raises(FileNotFoundError, match="holds no run of train_small.py"):
+            nbhelpers.read_runs_from(tmp_path / "empty")
+        with pytest.raises(FileNotFoundError, match="is not a directory"):
+            nbhelpers.read_runs_from(tmp_path / "missing")
+    finally:
+        nbhelpers.read_runs_from(None)
+    assert nbhelpers.LOGS == nbhelpers.NB_DIR / "logs" and nbhelpers.FIGURES == nbhelpers.NB_DIR / "figures"
 
 
 def test_notebook_helpers_pair_runs_by_seed_and_find_the_run_directories():
