@@ -1,15 +1,17 @@
 """tepokit: what a reader of train_small.py can skip, one concern per module.
 
-  cli            the command line: flags, valid values, --help, --regime, the rules of --resume
+  cli            the command line: flags, valid values, --regime and --demo, the rules of --resume
+  helptext       what --help shows: each flag's text, the paper values, four groups, examples
   errors         one-line answers to user mistakes
   hub            the Hugging Face hub: offline in seconds when it cannot be reached
   task           the built-in arithmetic task, dataset loading, answer parsing (the reward)
-  model          the built-in tokenizer and model, its cached warm-up, loading a real model
+  model          the built-in tokenizer and model, its warm-up (committed or cached), loading a real model
   forward        micro-batch sizes, completion logits, memory-bounded log-probs and entropy
   entropy_check  predicted against measured entropy change after each RL step
   kl_mask_log    details.jsonl: where TEPO's KL mask falls
   memory         the memory plan (--dry-run) and peak memory
-  rundir         the run directory: config, logs, checkpoints, resume, Ctrl-C, summary.json
+  rundir         the run directory: lock, config, logs, checkpoints, resume checks, summary.json
+  stop           Ctrl-C, SIGTERM and SIGHUP: finish the step, checkpoint, exit
   stats          pass@k, Pearson's r, t intervals
   compare        --compare: objectives x seeds, paired by seed
   bench          --bench: our RL step against TRL's GRPOTrainer

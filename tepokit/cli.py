@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import inspect
 import math
 import os
 import re
@@ -17,68 +16,13 @@ import torch
 import tepo
 from tepokit.errors import fail, warn
 from tepokit.forward import rows_per_minibatch
+from tepokit.helptext import CLI_HELP, EXAMPLES, HELP_GROUPS, field_comments, help_group, paper_values
 from tepokit.rundir import check_resumable, holds_a_run, lock_holder
 from tepokit.task import arithmetic_task_size
 
 # Fields of Args that only say how to run, not what is computed: they are not compared on resume.
 RUN_ONLY_FIELDS = ("resume", "stop_after", "compare", "seeds", "baseline", "bench", "bench_steps", "out", "threads",
                    "cache_dir", "dry_run", "force", "overwrite")
-
-
-@functools.cache      # reading the source is slow, and parse_args runs it for every command line
-def field_comments(cls) -> dict[str, str]:
-    """The one-line comment of each dataclass field, read from the source: the --help text."""
-    comments = {}
-    for line in inspect.getsource(cls).splitlines():
-        m = re.match(r"\s+(\w+)\s*:[^#]*#\s*(.*)$", line)
-        if m:
-            comments[m.group(1)] = m.group(2).strip()
-    return comments
-
-
-@functools.cache
-def field_sections(cls) -> dict[str, str]:
-    """The section of each dataclass field, from the `# --- name ---` comment lines above it in the source."""
-    sections, current = {}, None
-    for line in inspect.getsource(cls).splitlines():
-        if m := re.match(r"\s+# --- (.+) ---", line):
-            current = m.group(1)
-        elif m := re.match(r"\s+(\w+)\s*:", line):
-            sections[m.group(1)] = current
-    return sections
-
-
-# --help in four groups: the sections of train_small's Args, each in a group, with a few flags moved to the group a
-# reader looks in for them. Every objective setting (tepo.ObjectiveConfig) is in "objective".
-HELP_GROUPS = {     # name: description (its line breaks are kept: the examples need a raw formatter)
-    "task and model": "What is learned, and by which model: the task, the model, its supervised warm-up.",
-    "objective": "The RL objective and how each step uses it: --objective, --regime, the rollout, the update,\n"
-                 "and the objective settings (from --eps-low on), which default to the chosen objective's paper\n"
-                 "value (tepo.py section 2); a setting the objective does not read is reported and has no effect.",
-    "run control": "Where the run goes and how it runs: seed, steps, files, device, evaluation and\n"
-                   "measurement, resuming.",
-    "experiments": "Several runs at once: objectives compared on the same seeds, or our step timed against TRL's.",
-}
-GROUP_OF_SECTION = {"run": "run control", "model": "task and model", "task": "task and model",
-                    "supervised warm-up": "task and model", "rollout": "objective", "update": "objective",
-                    "measurement": "run control", "modes": "experiments"}
-GROUP_OF_FIELD = {"objective": "objective", "regime": "objective", "target_accuracy": "experiments",
-                  "resume": "run control", "stop_after": "run control"}
-
-EXAMPLES = """examples:
-  python train_small.py                                  # the built-in task and model, TEPO, seed 1 (minutes on a CPU)
-  python train_small.py --objective grpo --seed 2        # another objective, another seed
-  python train_small.py --objective dapo --eps-high 0.3  # an objective setting of your own
-  python train_small.py --compare grpo,tepo --seeds 3    # two objectives on the same seeds, paired by seed
-  python -m tepokit.plot runs/<run>                      # a run's figures, as PNG files in runs/<run>/figures/
-  python train_small.py --resume runs/<run>              # continue an interrupted run where it stopped
-  python train_small.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --max-new-tokens 256
-                                                         # a real model and data set (the hub must be reachable)"""
-
-
-def help_group(Args, name: str) -> str:
-    """The --help group of field `name` of Args (GROUP_OF_FIELD, else its section's group)."""
-    return GROUP_OF_FIELD.get(name) or GROUP_OF_SECTION[field_sections(Args)[name]]
 
 
 # ---- valid values of every flag --------------------------------------------------------------------
@@ -344,27 +288,6 @@ def converter(kinds: dict, name: str):
                                              + (" or none" if optional and kind != "str" else ""))
         return value
     return convert
-
-
-def paper_values(name: str) -> str:
-    """'0.2 (ppo, grpo); 0.28 (dapo)': the paper value of objective setting `name` for each objective
-    that reads it."""
-    by_value: dict[str, list[str]] = {}
-    for objective, fields in tepo.FIELDS_READ.items():
-        if name in fields:
-            v = getattr(tepo.PAPER_DEFAULTS[objective], name)
-            text = ("on" if v else "off") if isinstance(v, bool) else "none" if v is None else \
-                f"{v:g}" if isinstance(v, float) else str(v)
-            by_value.setdefault(text, []).append(objective)
-    if len(by_value) == 1 and len(next(iter(by_value.values()))) == len(tepo.OBJECTIVES):
-        return f"{next(iter(by_value))} (every objective)"
-    return "; ".join(f"{v} ({', '.join(objectives)})" for v, objectives in by_value.items())
-
-
-# Help texts that say how train_small.py uses a setting, in place of tepo.ObjectiveConfig's comment.
-CLI_HELP = {"norm_constant": "C of seq-mean-token-sum-norm; none = --max-new-tokens (Dr. GRPO's max generation length)",
-            "overlong_penalty": "DAPO: add the soft overlong punishment (a ramp over the last --overlong-cache "
-                                "tokens) to the reward"}
 
 
 METAVARS = {"int": "N", "float": "X", "str": "TEXT"}

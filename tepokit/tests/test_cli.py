@@ -13,6 +13,7 @@ import torch
 import tepo
 import train_small as ts
 import tepokit.cli
+import tepokit.helptext
 from tepokit.cli import REGIMES, build_parser, field_kinds, objective_config, parse_args, resume_args
 from tepokit.tests.helpers import SCRIPT, parse_outcome, assert_refused_in_one_line, fake_run
 
@@ -161,7 +162,7 @@ def test_help_groups_every_flag_once_and_its_examples_are_valid_command_lines():
     exactly one of them (also in the printed text), a few where a reader looks for them; the examples at the end
     are command lines that parse."""
     parser = build_parser(ts.Args)
-    groups = {g.title: g for g in parser._action_groups if g.title in tepokit.cli.HELP_GROUPS}
+    groups = {g.title: g for g in parser._action_groups if g.title in tepokit.helptext.HELP_GROUPS}
     assert list(groups) == ["task and model", "objective", "run control", "experiments"]
     flags = {tepokit.cli.flag(name) for name, _ in non_hidden_flags()}
     owners = {flag: [title for title, g in groups.items() for a in g._group_actions if flag in a.option_strings]
