@@ -49,8 +49,8 @@ def without_timing(rows):
 def micro_run(model, tokenizer, args, objective, ref_model=None, lr=1e-3, **overrides):
     """A ts.Run around a model built in the test (no run directory, no task)."""
     return ts.Run(args=dataclasses.replace(args, objective=objective), cfg=tepo.config_for(objective, **overrides),
-                  objective=tepo.OBJECTIVES[objective], device=torch.device("cpu"), run_dir="", lock=None, identity={}, model=model,
-                  ref_model=ref_model, tokenizer=tokenizer,
+                  objective=tepo.OBJECTIVES[objective], device=torch.device("cpu"), run_dir="", lock=None,
+                  identity={}, model=model, ref_model=ref_model, tokenizer=tokenizer,
                   optimizer=torch.optim.Adam(model.parameters(), lr=lr), train_set=None, test_set=None,
                   first_step=1, details_path=None)
 

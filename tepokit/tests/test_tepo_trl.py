@@ -1,4 +1,5 @@
-"""tepokit/tepo_trl.py: TEPO and the other objectives inside TRL's GRPOTrainer (parity with TRL's own loss), --engine trl."""
+"""tepokit/tepo_trl.py: TEPO and the other objectives inside TRL's GRPOTrainer (parity with TRL's own loss),
+--engine trl."""
 import copy
 import dataclasses
 import json

@@ -13,7 +13,8 @@ import train_small as ts
 from tepokit.model import build_char_tokenizer, build_tiny_model
 from tepokit.stats import accuracy_auc
 from test_tepo import F64, assert_close, cfg
-from tepokit.tests.helpers import MICRO, run_main, read_rows, without_timing, micro_run, hand_batch, read_details, brute_force_pass_at_k
+from tepokit.tests.helpers import (MICRO, brute_force_pass_at_k, hand_batch, micro_run, read_details, read_rows,
+                                   run_main, without_timing)
 
 
 def test_end_token_is_in_loss_mask_when_pad_equals_eos():
