@@ -14,7 +14,8 @@ import tepo
 import train_small as ts
 import tepokit.cli
 import tepokit.helptext
-from tepokit.cli import REGIMES, build_parser, field_kinds, objective_config, parse_args, resume_args
+from tepokit.cli import DEMO, REGIMES, build_parser, field_kinds, objective_config, parse_args, resume_args
+from tepokit.model import START_MODEL_DIR, committed_start_model
 from tepokit.tests.helpers import SCRIPT, parse_outcome, assert_refused_in_one_line, fake_run
 
 
@@ -44,6 +45,17 @@ def test_regime_is_a_preset_that_explicit_flags_override():
     assert parse_args(ts.Args, ["--regime", "collapse"])[0].lr == REGIMES["collapse"]["lr"] != ts.Args.lr
     assert parse_args(ts.Args, ["--regime", "collapse", "--lr", "5e-5"])[0].lr == 5e-5
     assert parse_args(ts.Args, [])[0].lr == ts.Args.lr and parse_args(ts.Args, [])[0].regime == "standard"
+
+
+def test_demo_is_a_preset_from_the_committed_start_model_that_explicit_flags_override():
+    """--demo sets its settings (and only those), takes the committed start model whatever the RL seed, and a
+    flag given explicitly wins over it."""
+    demo = parse_args(ts.Args, ["--demo", "--seed", "4"])[0]
+    assert {k: getattr(demo, k) for k in DEMO} == DEMO and demo.steps != ts.Args.steps
+    assert dataclasses.replace(demo, **{k: getattr(ts.Args, k) for k in DEMO}, demo=False) == ts.Args(seed=4)
+    assert committed_start_model(demo) == START_MODEL_DIR
+    assert parse_args(ts.Args, ["--demo", "--steps", "12"])[0].steps == 12
+    assert parse_args(ts.Args, ["--demo", "--regime", "collapse"])[0].lr == REGIMES["collapse"]["lr"]
 
 
 def non_hidden_flags():
