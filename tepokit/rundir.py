@@ -424,10 +424,12 @@ def print_summary(summary: dict, rows: list[dict], args, wall: float) -> None:
                  f"greedy; 95% intervals over {n} problems)"),
                 (f"sampled (T={args.temperature:g})", f"{summary['start_sampled_accuracy']:.3f} -> "
                  f"{summary['final_sampled_accuracy']:.3f};  final pass@{k} {summary[f'final_pass@{k}']:.3f}")]
-    if entropies:
-        rows_out.append(("token entropy", f"{entropies[0]:.3f} -> {entropies[-1]:.3f} nats "
-                         f"({100 * (entropies[-1] / entropies[0] - 1):+.0f}%); predicted vs measured change per "
-                         f"step: r = {summary['entropy_change_correlation']:.2f}"))
+    if entropies:       # means over the first and last tenth of the run: one step's entropy is noisy
+        span = max(1, min(10, len(entropies) // 10))
+        first, last = sum(entropies[:span]) / span, sum(entropies[-span:]) / span
+        rows_out.append(("token entropy", f"{first:.3f} -> {last:.3f} nats ({100 * (last / first - 1):+.0f}%; "
+                         f"first and last {span} steps); predicted vs measured change per step: "
+                         f"r = {summary['entropy_change_correlation']:.2f}"))
     if masks:
         rows_out.append(("KL mask (TEPO)", f"{100 * sum(masks) / len(masks):.1f}% of tokens on average"))
     rows_out += [("files", f"{run_dir}/ (metrics.jsonl, summary.json, checkpoint.pt, policy/)"),
