@@ -423,7 +423,8 @@ def print_summary(summary: dict, rows: list[dict], args, wall: float) -> None:
                  f"{accuracy_with_interval(summary['final_accuracy'], n)}  ({summary['gain_points']:+.1f} points; "
                  f"greedy; 95% intervals over {n} problems)"),
                 (f"sampled (T={args.temperature:g})", f"{summary['start_sampled_accuracy']:.3f} -> "
-                 f"{summary['final_sampled_accuracy']:.3f};  final pass@{k} {summary[f'final_pass@{k}']:.3f}")]
+                 f"{summary['final_sampled_accuracy']:.3f};  final pass@{k} {summary[f'final_pass@{k}']:.3f}  "
+                 f"({k} samples of each of {min(args.pass_k_problems, n)} problems)")]
     if entropies:       # means over the first and last tenth of the run: one step's entropy is noisy
         span = max(1, min(10, len(entropies) // 10))
         first, last = sum(entropies[:span]) / span, sum(entropies[-span:]) / span

@@ -225,6 +225,10 @@ def test_evaluations_and_the_result_stay_on_screen_and_a_resumed_bar_counts_from
     block = out[out.index("done: tepo, seed 1, 2 RL steps in"):]
     summary = json.load(open("runs/screen/summary.json"))
     assert f"{summary['start_accuracy']:.3f} +- " in block and "95% intervals over 4 problems" in block
+    assert "(2 samples of each of 2 problems)" in block          # what the sampled accuracy was measured on
+    e1, e2 = [r["entropy"] for r in read_rows("runs/screen")[1:]]       # 2 steps: the first and the last step
+    assert f"token entropy        {e1:.3f} -> {e2:.3f} nats ({100 * (e2 / e1 - 1):+.0f}%; first and last 1 steps)" \
+        in block
     for label in ("held-out accuracy", "sampled (T=1)", "token entropy", "KL mask (TEPO)", "files", "next"):
         assert f"\n  {label}" in block, label
     assert "python -m tepokit.plot runs/screen" in block
