@@ -144,6 +144,12 @@ def main(argv=None) -> None:
                           per_rank_token_count=variant == "per_rank_token_count")
         if int(os.environ.get("RANK", "0")) == 0:
             torch.save(result, os.path.join(args.out_dir, f"{case.replace(':', '_')}.pt"))
+    # Leave together and close the process group: a process that exits with gloo's threads still running can be
+    # aborted by the C++ runtime ("terminate called without an active exception"), failing the launch after the
+    # work is done.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
