@@ -2,7 +2,9 @@
 
 Run `python train_small.py` (no flags, no network, 2 CPU cores, minutes): a tiny GPT-2 with a character
 vocabulary, a synthetic arithmetic word-problem task whose answers end in GSM8K's `#### <number>`, a short
-supervised warm-up (cached), then RL with any objective of tepo.py (TEPO by default). The warm-up corpus
+supervised warm-up (its result for the default settings is committed in tepokit/start_model/, so every machine
+starts from the same model; other settings warm up once and cache it), then RL with any objective of tepo.py
+(TEPO by default). The warm-up corpus
 misreads half of the problems on purpose (`--sft-noise`, e.g. "7+3=10" for "7 bags of 3"), so the warmed-up
 model knows the right and the wrong reading and picks between them almost at random; RL learns to read
 the problem right. This is the regime RL with verifiable rewards is known for: sharpening a behaviour the
@@ -37,6 +39,7 @@ Simplifications, said plainly:
 
 Usage:
   python train_small.py                                   # built-in task and model, TEPO, seed 1
+  python train_small.py --demo                            # the two-minute classroom run (80 steps)
   python train_small.py --objective grpo --seed 2         # any key of tepo.OBJECTIVES
   python train_small.py --objective dapo --eps-high 0.3   # any field of tepo.ObjectiveConfig
   python train_small.py --compare grpo,dapo,tepo --seeds 3  # summary.md / summary.json table
