@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from tepokit.errors import fail
 from tepokit.hub import cannot_load, use_offline_hub_if_unreachable, without_transformers_bars
-from tepokit.rundir import lock_file, save_pretrained_atomically
+from tepokit.rundir import fingerprint, lock_file, save_pretrained_atomically
 from tepokit.task import format_prompt, task_fingerprint, task_seed
 
 END = "<|endoftext|>"   # end of sequence AND padding, as in GPT-2: the end token must still be trained
@@ -80,7 +80,7 @@ def warmup_cache_dir(args, task, tokenizer) -> str:
     recipe = warmup_recipe(args)
     if recipe["ops"] == "+-*":       # the default was left out of the key when ops was added to it
         del recipe["ops"]
-    vocabulary = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:16]
+    vocabulary = fingerprint(sorted(tokenizer.get_vocab().items()))        # as run_identity hashes it
     blob = json.dumps(recipe | {"data": task_fingerprint(task), "tokenizer": vocabulary, "version": 2},
                       sort_keys=True)
     return os.path.join(args.cache_dir, "warmup-" + hashlib.sha1(blob.encode()).hexdigest()[:12])
