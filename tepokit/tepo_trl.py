@@ -321,6 +321,7 @@ def train(args, obj_overrides: dict, evaluate) -> dict:
         trainer.add_callback(StopAtStepEnd(stop, optimizer_steps, identity))
         trainer.train(resume_from_checkpoint=newest_trl_checkpoint(run_dir)[0] if args.resume else None)
     if not state.is_main_process:
+        leave_process_group()
         return {"run_dir": run_dir}
     rows = [before] + [{"step": h["step"] // optimizer_steps, **{k: v for k, v in h.items() if k != "step"}}
                        for h in trainer.state.log_history if "reward" in h]
@@ -328,6 +329,7 @@ def train(args, obj_overrides: dict, evaluate) -> dict:
         write_atomically(metrics_path, lambda f: f.write("".join(to_json(r) + "\n" for r in rows).encode()))
         print(f"{stop.name}: stopped after step {rows[-1]['step']}; resume with: python train_small.py --resume "
               f"{run_dir}", file=sys.stderr)
+        leave_process_group()
         raise SystemExit(stop.exit_status)
     with without_transformers_bars():
         trainer.save_model(os.path.join(run_dir, "policy"))
@@ -341,4 +343,14 @@ def train(args, obj_overrides: dict, evaluate) -> dict:
     print(f"held-out accuracy {summary['start_accuracy']:.3f} -> {summary['final_accuracy']:.3f}; {run_dir}")
     if lock is not None:
         lock.close()
+    leave_process_group()
     return summary
+
+
+def leave_process_group() -> None:
+    """With several processes: all of them meet, then the process group is closed. A process that exits with
+    gloo's threads still running can be aborted by the C++ runtime ("terminate called without an active
+    exception") after its work is done, failing the launch. Nothing to do in one process."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

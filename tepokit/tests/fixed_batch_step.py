@@ -144,12 +144,8 @@ def main(argv=None) -> None:
                           per_rank_token_count=variant == "per_rank_token_count")
         if int(os.environ.get("RANK", "0")) == 0:
             torch.save(result, os.path.join(args.out_dir, f"{case.replace(':', '_')}.pt"))
-    # Leave together and close the process group: a process that exits with gloo's threads still running can be
-    # aborted by the C++ runtime ("terminate called without an active exception"), failing the launch after the
-    # work is done.
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    from tepokit.tepo_trl import leave_process_group
+    leave_process_group()       # all processes meet and close the group: exiting with gloo's threads alive can abort
 
 
 if __name__ == "__main__":
