@@ -17,16 +17,16 @@ Read it top to bottom:
   3. the rollout      prompts_for_step, generate_group (G completions per prompt), completion_mask
   4. the RL step      rl_step, as the list of its steps:
         1. sample prompts          a fixed, seeded order over the training split            (prompts_for_step)
-        2. generate G completions  model.generate with a KV cache, at temperature T         (generate_group)
+        2. generate G completions  at temperature T, each token's log-prob and entropy too  (generate_group)
         3. score them              strict `#### n` / lenient last-number parsing            (compute_rewards)
         4. advantages              tepo.group_advantages; DAPO's filter                     (compute_advantages)
-        5. old log-probs           before any update, with the update's own micro-batches   (rollout_statistics)
+        5. old log-probs           the sampler's, or recomputed (--recompute-old-logprobs)  (rollout_statistics)
         6. update                  one optimizer step per mini-batch, tepo.OBJECTIVES       (update_policy)
         7. measure                 entropy change predicted vs measured                     (entropy_check)
   5. evaluate         held-out accuracy (greedy) and pass@k
   6. the loop         train: start or resume a run, then step, evaluate, log and checkpoint
-The parts a reader can skip (the command line, the built-in task and models, memory, the run
-directory, statistics, --compare, --bench, --engine trl) live in tepokit/, one concern per module.
+The parts a reader can skip (the command line, the built-in task and models, the sampler, memory,
+the run directory, statistics, --compare, --bench, --engine trl) live in tepokit/, one concern per module.
 The logged metrics are defined in docs/metrics.md.
 
 Simplifications, said plainly:
@@ -68,15 +68,16 @@ from tqdm.auto import tqdm  # noqa: E402
 
 import tepo  # noqa: E402
 from tepokit import bench, cli, compare, rundir  # noqa: E402
+from tepokit.bench import PhaseClock  # noqa: E402
 from tepokit.errors import fail, os_error_line  # noqa: E402
-from tepokit.entropy_check import EntropyCheckPositions, entropy_check  # noqa: E402
+from tepokit.entropy_check import EntropyCheckPositions, checked_rows, entropy_check  # noqa: E402
 from tepokit.stop import StopSignals, Stopped  # noqa: E402
 from tepokit.forward import (autocast, completion_logits, precision_noise_floor, rows_per_forward,  # noqa: E402
                              token_entropy, token_logprobs)
 from tepokit.kl_mask_log import KLMaskDetails  # noqa: E402
-from tepokit.memory import (check_memory, peak_memory_mb, process_memory_mb, reset_peak_memory,  # noqa: E402
-                            sampling_check_bytes)
+from tepokit.memory import check_memory, peak_memory_mb, process_memory_mb, reset_peak_memory  # noqa: E402
 from tepokit.model import eos_ids_of, load_policy, pick_device, prepare_start_model  # noqa: E402
+from tepokit.sampling import recompute_old_logprobs, sample, sampler_logprobs_wanted  # noqa: E402
 from tepokit.stats import pass_at_k, pass_k_values  # noqa: E402
 from tepokit.task import format_prompt, gold_answer, load_task, score_completions, task_fingerprint  # noqa: E402
 
@@ -128,6 +129,7 @@ class Args:
     group_size: int = 8                 # G completions per prompt
     temperature: float = 1.0            # sampling temperature (log-probs are computed at the same one)
     max_new_tokens: int = 24            # completion length limit (tokens)
+    sampler: str = "loop"               # loop: a KV-cache sampling loop for GPT-2-shaped models (generate for others)
     max_prompt_tokens: int = 256        # prompts longer than this are cut from the left
     reward: str = "strict"              # which parsing of the answer gives reward 1
     overlong_cache: int = 6             # DAPO soft overlong punishment: length of the penalty ramp
@@ -137,14 +139,15 @@ class Args:
     mini_batches: int = 2               # optimizer steps per rollout per epoch (>= 2 lets clipping act)
     epochs: int = 1                     # passes over each rollout
     micro_batch_size: int = 0           # rows per forward and backward (0: the whole mini-batch)
+    recompute_old_logprobs: bool | None = None  # old log-probs by a forward pass, not the sampler's (unset: on in bf16)
     max_grad_norm: float = 1.0          # gradient clipping
     # --- measurement ---
     eval_every: int = 25                # held-out evaluation every N steps (and at step 0 and the end)
     pass_k: int = 4                     # k of pass@k
     pass_k_problems: int = 200          # held-out problems used for pass@k and mean@k
     entropy_check_rows: int = 64        # completions used for the predicted-vs-measured entropy check
-    entropy_check_every: int = 1        # run the entropy check every N steps (it costs one extra forward)
-    check_sampling_logprobs: bool = True  # compare generate's log-probs with the recomputed ones
+    entropy_check_every: int = 4        # run the entropy check every N steps (it costs one extra forward)
+    check_sampling_logprobs: bool = True  # with recomputed old log-probs: compare the sampler's with them
     target_accuracy: float = 0.40       # --compare: steps needed to reach this held-out accuracy
     # --- modes ---
     resume: str | None = None           # continue the run in this directory from its checkpoint
@@ -185,31 +188,31 @@ def prompts_for_step(step: int, n_train: int, args: Args) -> list[int]:
 
 @torch.no_grad()
 def generate_group(model, tokenizer, questions: list[str], group_size: int, args: Args, device,
-                   greedy: bool = False, want_logprobs: bool = False) -> dict:
-    """G completions per prompt with model.generate (KV cache). Groups are contiguous rows.
+                   greedy: bool = False, want_logprobs: bool = False, keep_logits_rows: int = 0) -> dict:
+    """G completions per prompt, sampled at temperature T (tepokit/sampling.py: a KV-cache loop for
+    GPT-2-shaped models, model.generate for the others). Groups are contiguous rows.
 
-    Returns prompt_ids/prompt_mask [B, P] (left-padded), completion_ids/completion_mask [B, T],
-    and, if asked, the log-probs of the sampled tokens as generate saw them, at temperature T.
+    Returns prompt_ids/prompt_mask [B, P] (left-padded), completion_ids/completion_mask [B, T], and
+    the sampled tokens' log-probs and entropies as the sampler computed them, from the logits that
+    chose each token (sampling_logp, sampling_entropy [B, T]; from generate only if want_logprobs),
+    with the raw logits of the first keep_logits_rows rows (sampling_logits [rows, T, V]).
     """
     enc = tokenizer([format_prompt(q) for q in questions], return_tensors="pt", padding=True,
                     truncation=True, max_length=args.max_prompt_tokens)
-    prompt_ids = enc.input_ids.repeat_interleave(group_size, 0).to(device)         # [B, P]
-    prompt_mask = enc.attention_mask.repeat_interleave(group_size, 0).to(device)   # [B, P]
-    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=args.temperature,
-                                                         top_k=0, top_p=1.0)
+    out = sample(model, enc.input_ids.to(device), enc.attention_mask.to(device), group_size, args, device,
+                 greedy=greedy, keep_logits_rows=keep_logits_rows, want_logprobs=want_logprobs)
+    completion_ids = out["completion_ids"]                                          # [B, T]
     eos_ids = eos_ids_of(model)
-    with autocast(device, args.precision):
-        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=args.max_new_tokens,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids,
-                             return_dict_in_generate=True, output_logits=want_logprobs, use_cache=True, **sampling)
-    completion_ids = out.sequences[:, prompt_ids.shape[1]:]                         # [B, T]
     mask = completion_mask(completion_ids, eos_ids)
     ends_with_eos = torch.isin(completion_ids[:, -1], torch.tensor(eos_ids, device=device))
-    batch = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                 completion_mask=mask, truncated=(mask.sum(1) == completion_ids.shape[1]) & ~ends_with_eos)
-    if want_logprobs:
-        logits = torch.stack(out.logits, 1)                                         # [B, T, V] raw
-        batch["sampling_logp"] = tepo.token_logprobs_from_logits(logits, completion_ids, args.temperature)
+    batch = dict(prompt_ids=enc.input_ids.repeat_interleave(group_size, 0).to(device),        # [B, P]
+                 prompt_mask=enc.attention_mask.repeat_interleave(group_size, 0).to(device),  # [B, P]
+                 completion_ids=completion_ids, completion_mask=mask,
+                 truncated=(mask.sum(1) == completion_ids.shape[1]) & ~ends_with_eos)
+    if "logp" in out:
+        batch["sampling_logp"], batch["sampling_entropy"] = out["logp"], out["entropy"]
+    if "logits" in out:
+        batch["sampling_logits"] = out["logits"]
     return batch
 
 
@@ -236,32 +239,32 @@ def decode(tokenizer, batch: dict) -> list[str]:
 
 def rl_step(run: Run, step: int) -> tuple[dict, dict | None]:
     """One RL step, the seven steps of the module docstring. Returns its metrics row (and details row)."""
-    args, t0 = run.args, time.time()
+    args, clock = run.args, PhaseClock()        # seconds (and, under --bench, FLOPs) of each phase
+    checked = step % args.entropy_check_every == 0
     records = run.train_set.select(prompts_for_step(step, len(run.train_set), args))            # 1. prompts
     batch = generate_group(run.model, run.tokenizer, list(records["question"]), args.group_size, args,   # 2. samples
-                           run.device, want_logprobs=sampling_check_bytes(args, run.model.config.vocab_size) > 0)
-    t1 = time.time()
+                           run.device, want_logprobs=run.sampler_logprobs,
+                           keep_logits_rows=checked_rows(args) if checked and not run.recompute else 0)
+    clock.lap("generate")
     golds = [gold_answer(a) for a in records["answer"] for _ in range(args.group_size)]
     scored = compute_rewards(batch, decode(run.tokenizer, batch), golds, args, run.cfg)         # 3. rewards
     adv, keep = compute_advantages(scored["rewards"], args, run.cfg)                            # 4. advantages
-    t2 = time.time()
+    clock.lap("reward")
     for group in run.optimizer.param_groups:   # linear learning-rate warm-up
         group["lr"] = args.lr * min(1.0, step / max(1, args.lr_warmup_steps))
     plan = minibatch_plan(keep, args)                  # the rows of each optimizer step (none: all dropped)
-    checked = bool(plan) and step % args.entropy_check_every == 0
+    checked = checked and bool(plan)
     stats = rollout_statistics(run, batch, adv, plan, checked)                                  # 5. old log-probs
-    t3 = time.time()
+    clock.lap("old_logprobs")
     details = KLMaskDetails(run.cfg, batch["completion_ids"].shape[1], run.device) if run.details_path else None
     losses = update_policy(run, batch, stats, adv, plan, details) if plan else {}               # 6. update
-    t4 = time.time()
+    clock.lap("update")
     check = entropy_check(run, batch, stats) if checked else (0.0, 0.0, float("nan"))           # 7. measure
-    t5 = time.time()
+    clock.lap("entropy_check")
     row = {"step": step, **rollout_metrics(batch, scored, keep, stats, args), **losses,
            **({"entropy_change/predicted": check[0], "entropy_change/measured": check[1],
                "entropy_change/position_corr": check[2]} if checked or not plan else {}),
-           "timing/generate": t1 - t0, "timing/reward": t2 - t1, "timing/old_logprobs": t3 - t2,
-           "timing/update": t4 - t3, "timing/entropy_check": t5 - t4, "step_time": t5 - t0,
-           "perf/tokens_per_second": batch["completion_mask"].sum().item() / (t5 - t0)}
+           **clock.row(), "perf/tokens_per_second": batch["completion_mask"].sum().item() / clock.total()}
     return row, details.row(step, batch, scored["rewards"], run.tokenizer) if details else None
 
 
@@ -303,10 +306,12 @@ def rollout_statistics(run, batch: dict, adv: torch.Tensor, plan: list, checked:
     """Before any update: old and reference log-probs, entropy, Cov(log pi, A), and the logits the
     entropy check starts from.
 
-    The old log-probs are computed with the SAME micro-batches as the update's first epoch (the
+    By default the old log-probs and entropies are the sampler's: computed from the logits that
+    chose each token, so they need no forward pass. With --recompute-old-logprobs (the default in
+    bf16) a forward pass recomputes them with the SAME micro-batches as the update's first epoch (the
     rows its optimizer steps will see), so the first of them is exactly on-policy whatever the
-    kernels: same rows, same shapes, same arithmetic. Rows no optimizer step sees (dropped by
-    DAPO's filter) are still needed for the rollout's entropy and covariance.
+    kernels: same rows, same shapes, same arithmetic. Rows no optimizer step sees (dropped by DAPO's
+    filter) are still needed for the rollout's entropy and covariance.
     """
     args, B = run.args, batch["completion_ids"].shape[0]
     mask = batch["completion_mask"]
@@ -317,21 +322,29 @@ def rollout_statistics(run, batch: dict, adv: torch.Tensor, plan: list, checked:
     unseen = torch.arange(B)[~seen]
     forwards = first_epoch + (list(unseen.split(rows_per_forward(args))) if len(unseen) else [])
     dtype = torch.promote_types(next(run.model.parameters()).dtype, torch.float32)  # float64 in the tests
-    old_logp = torch.zeros(mask.shape, dtype=dtype, device=mask.device)             # [B, T]
-    entropy = torch.zeros_like(old_logp)                                            # [B, T]
-    ref_logp = torch.zeros_like(old_logp) if run.ref_model is not None else None    # [B, T]
     check = EntropyCheckPositions(batch, args if checked else dataclasses.replace(args, entropy_check_rows=0))
-    for rows in forwards:
-        logits = completion_logits(run.model, batch, rows, args)                   # [b, T, V]
-        tokens = batch["completion_ids"][rows.to(mask.device)]
-        old_logp[rows] = token_logprobs(logits, tokens, args.temperature).to(dtype)
-        entropy[rows] = token_entropy(logits, args.temperature).to(dtype)
-        check.capture(rows, logits)
-        del logits                 # before the next forward allocates its own
-        if run.ref_model is not None:
-            ref_logp[rows] = token_logprobs(completion_logits(run.ref_model, batch, rows, args), tokens,
+    ref_logp = None
+    if run.ref_model is not None:
+        ref_logp = torch.zeros(mask.shape, dtype=dtype, device=mask.device)        # [B, T]
+        for rows in forwards:
+            ref_logp[rows] = token_logprobs(completion_logits(run.ref_model, batch, rows, args),
+                                            batch["completion_ids"][rows.to(mask.device)], args.temperature).to(dtype)
+    if run.recompute:
+        old_logp = torch.zeros(mask.shape, dtype=dtype, device=mask.device)         # [B, T]
+        entropy = torch.zeros_like(old_logp)                                        # [B, T]
+        for rows in forwards:
+            logits = completion_logits(run.model, batch, rows, args)               # [b, T, V]
+            old_logp[rows] = token_logprobs(logits, batch["completion_ids"][rows.to(mask.device)],
                                             args.temperature).to(dtype)
-    return dict(old_logp=old_logp, entropy=entropy, ref_logp=ref_logp, check=check,
+            entropy[rows] = token_entropy(logits, args.temperature).to(dtype)
+            check.capture(rows, logits)
+            del logits                 # before the next forward allocates its own
+    else:                              # the sampler's, computed at the same temperature
+        old_logp = batch["sampling_logp"].to(dtype)                                 # [B, T], 0 after the end
+        entropy = batch["sampling_entropy"].to(dtype)                               # [B, T], 0 after the end
+        if check.rows:
+            check.capture(torch.arange(check.rows), batch["sampling_logits"][:check.rows])
+    return dict(old_logp=old_logp, entropy=entropy, ref_logp=ref_logp, check=check, recomputed=run.recompute,
                 entropy_mean=tepo.masked_mean(entropy, mask).item(),
                 cov=tepo.masked_mean(tepo.token_covariance(old_logp, adv.to(mask.device), mask), mask).item(),
                 **precision_noise_floor(run, batch, forwards[0], old_logp))
@@ -351,13 +364,13 @@ def update_policy(run, batch: dict, stats: dict, adv: torch.Tensor, plan: list, 
         model.train()   # transformers checkpoints only in train mode; dropout is off (switch_off_dropout)
     mask, adv = batch["completion_mask"], adv.to(batch["completion_mask"].device)
     steps, first = [], None
-    for micro_batches in plan:
+    for i, micro_batches in enumerate(plan):
         rows = torch.cat(micro_batches)
         counts = dict(num_tokens=mask[rows].sum().item(), num_seqs=float(len(rows)))   # the whole mini-batch's
         run.optimizer.zero_grad(set_to_none=True)
         parts = []
         for micro in micro_batches:
-            loss, metrics, log_ratio = micro_batch_loss(run, batch, stats, adv, micro, counts, details)
+            loss, metrics, log_ratio = micro_batch_loss(run, batch, stats, adv, micro, counts, details, i == 0)
             loss.backward()
             parts.append((metrics, mask[micro].sum().item()))
             if first is None:   # before any optimizer step: the first micro-batch must be exactly on-policy
@@ -377,8 +390,14 @@ def update_policy(run, batch: dict, stats: dict, adv: torch.Tensor, plan: list, 
 
 
 def micro_batch_loss(run, batch: dict, stats: dict, adv: torch.Tensor, rows: torch.Tensor, counts: dict,
-                     details=None):
-    """The objective on one micro-batch: (loss, metrics, |log pi - log pi_old| at its valid tokens)."""
+                     details=None, before_any_step: bool = False):
+    """The objective on one micro-batch: (loss, metrics, |log pi - log pi_old| at its valid tokens).
+
+    Before the rollout's first optimizer step the policy IS the behaviour policy. Its own log-probs
+    and entropies then replace the sampler's, which differ from them by rounding (~1e-6): exactly
+    on-policy, as when they are recomputed, and a penalty on |log ratio| (whose gradient is the sign
+    of the log-ratio) does not act on rounding. The returned gap is measured before the replacement:
+    how far the old log-probs it was given were from this forward's."""
     args, cfg = run.args, run.cfg
     idx = rows.to(adv.device)
     mask, tokens = batch["completion_mask"][idx], batch["completion_ids"][idx]
@@ -389,13 +408,17 @@ def micro_batch_loss(run, batch: dict, stats: dict, adv: torch.Tensor, rows: tor
     needs_entropy = tepo.needs_entropy(args.objective, cfg)
     entropy = token_entropy(logits, args.temperature) if needs_entropy or details is not None else None
     old_logp, old_entropy = stats["old_logp"][idx], stats["entropy"][idx]
+    log_ratio = (logp.detach() - old_logp).abs()[mask.bool()]
+    if before_any_step and not stats["recomputed"]:     # exactly on-policy, and kept for any later epoch
+        old_logp = stats["old_logp"][idx] = logp.detach().to(old_logp.dtype)
+        if entropy is not None:
+            old_entropy = stats["entropy"][idx] = entropy.to(old_entropy.dtype)
     ref = stats["ref_logp"][idx] if stats["ref_logp"] is not None else None
     loss, metrics = run.objective(logp, old_logp, adv[idx], mask, cfg, ref_logp=ref,
                                   entropy=entropy if needs_entropy else None,
                                   old_entropy=old_entropy if needs_entropy else None, **counts)
     if details is not None:
         details.add(idx, logp, old_logp, adv[idx], mask, entropy, old_entropy)
-    log_ratio = (logp.detach() - old_logp).abs()[mask.bool()]
     return loss, metrics, log_ratio
 
 
@@ -430,7 +453,7 @@ def rollout_metrics(batch: dict, scored: dict, keep: torch.Tensor, stats: dict, 
            "completions/clipped_ratio": batch["truncated"].float().mean().item(),
            "entropy": stats["entropy_mean"], "cov/logp_adv": stats["cov"],
            **{k: v for k, v in stats.items() if k.startswith("precision/")}}
-    if "sampling_logp" in batch:
+    if "sampling_logp" in batch and stats["recomputed"]:
         gap = (batch["sampling_logp"] - stats["old_logp"]).abs()
         row["logprobs/sampling_vs_recomputed_max_abs"] = gap[mask.bool()].max().item()
     return row
@@ -492,6 +515,8 @@ class Run:
     test_set: object
     first_step: int                     # 1, or the step after the checkpoint when resuming
     details_path: str | None            # details.jsonl, TEPO only
+    recompute: bool                     # old log-probs by a forward pass (sampling.recompute_old_logprobs)
+    sampler_logprobs: bool              # the sampler gives log-probs (sampling.sampler_logprobs_wanted)
 
 
 def train(args: Args, obj_overrides: dict) -> dict:
@@ -568,7 +593,9 @@ def start_run(args: Args, obj_overrides: dict) -> Run:
               lock=lock, identity=identity, model=model, ref_model=ref_model, tokenizer=tokenizer,
               optimizer=torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.999)),
               train_set=task["train"], test_set=task["test"].select(range(min(args.n_test, len(task["test"])))),
-              first_step=1, details_path=os.path.join(run_dir, "details.jsonl") if args.objective == "tepo" else None)
+              first_step=1, details_path=os.path.join(run_dir, "details.jsonl") if args.objective == "tepo" else None,
+              recompute=recompute_old_logprobs(args, model.config),
+              sampler_logprobs=sampler_logprobs_wanted(args, model.config))
     logs = [p for p in (os.path.join(run_dir, "metrics.jsonl"), run.details_path) if p is not None]
     rundir.seed_everything(args.seed)
     if resume_dir:

@@ -57,10 +57,11 @@ def objective_means(results: dict, args) -> dict:
         for key, values in columns.items():
             stats = t_interval(values)
             table[name] |= {key + "_mean": stats["mean"], key + "_std": stats["std"] or 0.0}   # std 0: 1 seed
+        correlations = [r["entropy_change_correlation"] for r in runs if r["entropy_change_correlation"] is not None]
         table[name] |= {"steps_to_target": [r["steps_to_target"] for r in runs],
                         "final_entropy_mean": sum(r["final_entropy"] for r in runs) / len(runs),
-                        "entropy_change_correlation_mean":
-                            sum(r["entropy_change_correlation"] for r in runs) / len(runs),
+                        "entropy_change_correlation_mean":   # none: too few steps with the check (short runs)
+                            sum(correlations) / len(correlations) if correlations else float("nan"),
                         "wall_seconds_mean": sum(r["wall_seconds"] for r in runs) / len(runs), "runs": runs}
     return table
 

@@ -13,16 +13,23 @@ from tepokit.stats import pearson
 ENTROPY_CHECK_MAX_POSITIONS = 2048   # the default built-in run checks ~1,000 (64 rows x ~16 tokens)
 
 
+def checked_rows(args) -> int:
+    """Rows the entropy check uses: the first --entropy-check-rows of the rollout, at most as many as
+    fit ENTROPY_CHECK_MAX_POSITIONS positions at --max-new-tokens each (the sampler keeps their logits)."""
+    return min(args.entropy_check_rows, args.prompts_per_step * args.group_size,
+               max(1, ENTROPY_CHECK_MAX_POSITIONS // args.max_new_tokens))
+
+
 class EntropyCheckPositions:
     """The logits before the update at the positions the entropy check uses (entropy_check).
 
-    Positions: the valid completion tokens of the first --entropy-check-rows rows of the rollout,
-    at most ENTROPY_CHECK_MAX_POSITIONS of them, kept in the model's dtype ([n, V]): with a
-    151,936-token vocabulary each position costs 0.6 MB in float32, so the number must be bounded.
+    Positions: the valid completion tokens of the first checked_rows rows of the rollout, at most
+    ENTROPY_CHECK_MAX_POSITIONS of them, kept in the model's dtype ([n, V]): with a 151,936-token
+    vocabulary each position costs 0.6 MB in float32, so the number must be bounded.
     """
 
     def __init__(self, batch: dict, args):
-        rows = min(args.entropy_check_rows, batch["completion_ids"].shape[0])
+        rows = min(checked_rows(args), batch["completion_ids"].shape[0])
         valid = batch["completion_mask"][:rows].bool()                              # [c, T]
         valid &= valid.flatten().cumsum(0).view_as(valid) <= ENTROPY_CHECK_MAX_POSITIONS
         self.rows, self.valid = rows, valid

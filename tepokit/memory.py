@@ -12,18 +12,8 @@ from tepokit.errors import fail
 from tepokit.forward import LOGITS_CHUNK_BYTES, rows_per_forward
 from tepokit.hub import cannot_load, use_offline_hub_if_unreachable
 from tepokit.model import builtin_tokenizer, tiny_model_config
+from tepokit.sampling import sampler_logprobs_wanted, stacked_logits_bytes
 from tepokit.task import load_task
-
-# Stacking generate's logits for the sampling check costs B * T * V * 4 bytes: above this it is skipped.
-SAMPLING_CHECK_MAX_BYTES = 2**30
-
-
-def sampling_check_bytes(args, vocab_size: int) -> int:
-    """Bytes of generate's stacked logits [B, T, V] kept for the sampling check; 0 when it is off or
-    would take more than SAMPLING_CHECK_MAX_BYTES."""
-    nbytes = args.prompts_per_step * args.group_size * args.max_new_tokens * vocab_size * 4
-    return nbytes if args.check_sampling_logprobs and nbytes < SAMPLING_CHECK_MAX_BYTES else 0
-
 
 def reset_peak_memory(device) -> None:
     """Start a run's peak-memory count afresh (--compare runs several in one process). On Linux,
@@ -110,7 +100,10 @@ def memory_plan(args, config, needs_ref: bool) -> dict:
         "logits, one micro-batch": 3 * logits + 4 * chunk,
         "entropy check (logits before)": check,
         "generation KV cache": 2 * L * rollout * S * kv_dim * act,
-        "generation logits": rollout * V * 4 * 3 + sampling_check_bytes(args, V),
+        # the fused sample step's float32 temporaries [B, V]; generate's stacked logits [B, T, V] if the
+        # log-probs are taken from it (tepokit/sampling.py)
+        "generation logits": rollout * V * 4 * 3 + (stacked_logits_bytes(args, config)
+                                                    if sampler_logprobs_wanted(args, config) else 0),
     }
     # The update's peak: its micro-batch (activations and logits) while the entropy check's "before"
     # logits wait; or the entropy check itself: before and after, one forward's logits, temporaries.

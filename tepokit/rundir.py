@@ -379,9 +379,10 @@ def write_summary(run_dir: str, rows: list[dict], args, wall: float) -> dict:
     """summary.json: start and final held-out accuracy, its area under the curve, final pass@k,
     entropy-change correlation, wall time."""
     evals = [r for r in rows if "eval/accuracy" in r]
-    # Steps that made an update (DAPO's filter can skip one: no update, no entropy change to predict).
-    steps = [r for r in rows
-             if r["step"] > 0 and "entropy_change/predicted" in r and not r.get("dynamic_sampling/skipped")]
+    # Steps that made an update (DAPO's filter can skip one: no update, no entropy change to predict), and
+    # those of them that ran the entropy check (every --entropy-check-every steps).
+    updated = [r for r in rows if r["step"] > 0 and not r.get("dynamic_sampling/skipped")]
+    steps = [r for r in updated if "entropy_change/predicted" in r]
     reached = [r["step"] for r in evals if r["eval/accuracy"] >= args.target_accuracy]
     position_corrs = sorted(c for r in steps if math.isfinite(c := r.get("entropy_change/position_corr", math.nan)))
     summary = {
@@ -394,7 +395,7 @@ def write_summary(run_dir: str, rows: list[dict], args, wall: float) -> dict:
         "start_sampled_accuracy": evals[0][f"eval/mean@{args.pass_k}"],
         "final_sampled_accuracy": evals[-1][f"eval/mean@{args.pass_k}"],
         "steps_to_target": reached[0] if reached else None, "target_accuracy": args.target_accuracy,
-        "final_entropy": steps[-1]["entropy"] if steps else None,
+        "final_entropy": updated[-1]["entropy"] if updated else None,
         "entropy_change_correlation": pearson([r["entropy_change/predicted"] for r in steps],
                                               [r["entropy_change/measured"] for r in steps]),
         "entropy_change_position_corr_median": position_corrs[len(position_corrs) // 2] if position_corrs else None,

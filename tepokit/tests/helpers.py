@@ -24,14 +24,15 @@ SCRIPT = os.path.join(REPO, "train_small.py")
 
 
 # A micro configuration: a 1-layer model of width 32, 2 prompts x 4 samples, easy problems (operands
-# 1..2) and a 40-step warm-up so that groups have mixed rewards and every objective really updates.
+# 1..2), a 40-step warm-up so that groups have mixed rewards and every objective really updates, and the
+# entropy check on every step (the tests read it on every step).
 MICRO = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--difficulty", "2", "--n-train", "60",
          "--n-test", "4", "--warmup-steps", "40", "--warmup-lr", "3e-3", "--warmup-batch", "16",
          "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "12", "--overlong-cache", "4",
          "--pass-k", "2", "--pass-k-problems", "2", "--entropy-check-rows", "4", "--reward", "lenient",
-         "--lr", "1e-3", "--eval-every", "2", "--save-every", "1"]
+         "--lr", "1e-3", "--eval-every", "2", "--save-every", "1", "--entropy-check-every", "1"]
 
-TIMING = ("timing/", "perf/", "memory/", "step_time")
+TIMING = ("timing/", "perf/", "memory/", "step_time", "flops/")
 
 
 def run_main(argv):
@@ -46,13 +47,15 @@ def without_timing(rows):
     return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
 
 
-def micro_run(model, tokenizer, args, objective, ref_model=None, lr=1e-3, **overrides):
-    """A ts.Run around a model built in the test (no run directory, no task)."""
+def micro_run(model, tokenizer, args, objective, ref_model=None, lr=1e-3, recompute=True, **overrides):
+    """A ts.Run around a model built in the test (no run directory, no task). recompute: old log-probs
+    by a forward pass (batches made by hand have no sampler log-probs), or the sampler's."""
     return ts.Run(args=dataclasses.replace(args, objective=objective), cfg=tepo.config_for(objective, **overrides),
                   objective=tepo.OBJECTIVES[objective], device=torch.device("cpu"), run_dir="", lock=None,
                   identity={}, model=model, ref_model=ref_model, tokenizer=tokenizer,
                   optimizer=torch.optim.Adam(model.parameters(), lr=lr), train_set=None, test_set=None,
-                  first_step=1, details_path=None)
+                  first_step=1, details_path=None,
+                  recompute=recompute, sampler_logprobs=True)
 
 
 def hand_batch(vocab: int, rows: int, prompt: int, completion: int, seed: int = 0) -> dict:

@@ -1,4 +1,5 @@
 """tepokit/bench.py: --bench without TRL says how to install it; the cost of tepo's input checks."""
+import json
 import os
 import sys
 
@@ -28,3 +29,67 @@ def test_input_check_cost_times_the_checks_and_the_objective_on_the_bench_mini_b
     cost = bench.input_check_cost(args, overrides, repeats=3)
     assert cost["batch"] == "[4, 12]"                  # ceil(2 prompts / 2 mini-batches) x 4 samples, 12 tokens
     assert cost["checks_s"] > 0 and cost["objective_s"] > 0
+
+
+def test_the_attention_formulas_equal_the_counted_matrix_products_of_attention_written_out():
+    """FlopCounterMode does not know the CPU's attention kernel; bench's formulas for it must equal what
+    it counts for the same attention written as matrix products, forward and backward."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    aten = torch.ops.aten
+    mapping = {aten._scaled_dot_product_flash_attention_for_cpu: bench.attention_flops,
+               aten._scaled_dot_product_flash_attention_for_cpu_backward: bench.attention_backward_flops}
+    q, k, v = (torch.randn(2, 3, n, 8, requires_grad=True) for n in (5, 7, 7))
+    counted = {}
+    for name, attend in (("kernel", lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)),
+                         ("written out", lambda: torch.softmax(q @ k.transpose(-1, -2) / 8**0.5, -1) @ v)):
+        with FlopCounterMode(display=False, custom_mapping=mapping) as forward:
+            out = attend()
+        with FlopCounterMode(display=False, custom_mapping=mapping) as backward:
+            out.sum().backward()
+        counted[name] = forward.get_total_flops(), backward.get_total_flops()
+    assert counted["kernel"] == counted["written out"] == (4 * 2 * 3 * 5 * 7 * 8, 8 * 2 * 3 * 5 * 7 * 8)
+
+
+def test_the_phase_clock_gives_each_phase_its_seconds_and_its_flops():
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    a = torch.randn(64, 32)
+    with FlopCounterMode(display=False) as counter:
+        bench.FLOP_COUNTER = counter
+        try:
+            clock = bench.PhaseClock()
+            a @ a.T
+            clock.lap("product")
+            clock.lap("nothing")
+            row = clock.row()
+        finally:
+            bench.FLOP_COUNTER = None
+    assert row["flops/product"] == 2 * 64 * 32 * 64 and row["flops/nothing"] == 0
+    assert row["step_time"] == pytest.approx(row["timing/product"] + row["timing/nothing"])
+    assert "flops/product" not in bench.PhaseClock().row()          # not counting: seconds only
+    assert bench.matmul_rate(1, torch.float32, n=128, repeats=3) > 1e6
+
+
+def test_the_memory_runs_get_the_benchs_settings_on_their_command_line():
+    args, overrides = parse_args(ts.Args, [*MICRO, "--objective", "dapo", "--no-dynamic-sampling", "--eps-high",
+                                           "0.3", "--precision", "bf16", "--no-check-sampling-logprobs"])
+    argv = [a for k, v in {**{f: getattr(args, f) for f in ("n_layer", "precision", "check_sampling_logprobs",
+                                                            "objective")}, **overrides}.items()
+            for a in bench.flag_and_value(k, v)]
+    again, again_overrides = parse_args(ts.Args, argv)
+    assert (again.n_layer, again.precision, again.objective) == (1, "bf16", "dapo")
+    assert again.check_sampling_logprobs is False
+    assert again_overrides == overrides == {"dynamic_sampling": False, "eps_high": 0.3}
+
+
+def test_rollout_memory_runs_the_rollout_and_twice_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args, overrides = parse_args(ts.Args, [*MICRO, "--objective", "grpo"])
+    result = bench.rollout_memory(args, overrides, str(tmp_path / "bench"))
+    assert result["micro_batch_size"] == 4 and set(result["peak_mb_above_start"]) == {2, 4}
+    assert all(mb > 0 for mb in result["peak_mb_above_start"].values())
+    for prompts in (2, 4):
+        config = json.load(open(tmp_path / "bench" / f"memory_{prompts}_prompts" / "config.json"))
+        assert config["args"]["prompts_per_step"] == prompts and config["args"]["micro_batch_size"] == 4
+        assert config["args"]["n_layer"] == 1 and config["args"]["steps"] == 1

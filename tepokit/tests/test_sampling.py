@@ -1,0 +1,149 @@
+"""tepokit/sampling.py: the KV-cache sampling loop against transformers' generate (same tokens under the
+same random stream, same log-probs and entropies), its logits against a full forward, and when the old
+log-probs are the sampler's."""
+import dataclasses
+
+import pytest
+import torch
+from transformers import GenerationConfig, GPT2Config, Qwen2Config
+
+import tepo
+import train_small as ts
+from tepokit.forward import completion_logits
+from tepokit.model import build_char_tokenizer, build_tiny_model
+from tepokit.sampling import (STACKED_LOGITS_MAX_BYTES, recompute_old_logprobs, sample_generate, sample_gpt2,
+                              sampler_logprobs_wanted, uses_loop)
+
+QUESTIONS = ["Ann has 3 pens and 4 more. How many?", "a?", "Bob has 12345 pens and 6789 more. How many pens?"]
+
+
+def tiny(eos_ids=None, seed=0, n_layer=2, **args):
+    """A random built-in-shaped GPT-2 (width 32) with its character tokenizer; eos_ids: the end tokens."""
+    torch.manual_seed(seed)
+    tok = build_char_tokenizer(QUESTIONS + ["0123456789 #"])
+    a = ts.Args(n_layer=n_layer, n_embd=32, n_head=2, **args)
+    model = build_tiny_model(a, tok).eval()
+    eos = eos_ids or [tok.eos_token_id]
+    model.generation_config = GenerationConfig(pad_token_id=tok.pad_token_id, eos_token_id=eos)
+    enc = tok(QUESTIONS, return_tensors="pt", padding=True)
+    assert (enc.attention_mask == 0).any()         # left-padded prompts of different lengths
+    return model, tok, enc, eos
+
+
+def both(model, tok, enc, eos, group_size=4, max_new_tokens=12, temperature=0.7, greedy=False, seed=5, keep=0):
+    settings = dict(group_size=group_size, max_new_tokens=max_new_tokens, temperature=temperature, eos_ids=eos,
+                    pad_id=tok.pad_token_id, greedy=greedy, keep_logits_rows=keep)
+    torch.manual_seed(seed)
+    loop = sample_gpt2(model, enc.input_ids, enc.attention_mask, **settings)
+    torch.manual_seed(seed)
+    gen = sample_generate(model, enc.input_ids, enc.attention_mask, want_logprobs=True, **settings)
+    return loop, gen
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_loop_draws_generates_tokens_under_the_same_random_stream(greedy, temperature):
+    model, tok, enc, eos = tiny()
+    loop, gen = both(model, tok, enc, eos, temperature=temperature, greedy=greedy)
+    assert loop["completion_ids"].shape == gen["completion_ids"].shape == (12, 12)
+    assert torch.equal(loop["completion_ids"], gen["completion_ids"])
+    mask = ts.completion_mask(loop["completion_ids"], eos).bool()
+    assert (loop["logp"] - gen["logp"]).abs()[mask].max() < 1e-5
+    assert (loop["entropy"] - gen["entropy"]).abs()[mask].max() < 1e-5
+    assert (loop["logp"][~mask] == 0).all() and (loop["entropy"][~mask] == 0).all()
+
+
+def test_rows_stop_at_their_end_token_and_the_loop_at_the_last_one():
+    """Ten end tokens (a quarter of the vocabulary): rows end early, hold the pad token after their end,
+    and the completions are as long as the longest row, as generate's."""
+    model, tok, enc, _ = tiny()
+    eos = list(range(10))
+    loop, gen = both(model, tok, enc, eos, max_new_tokens=40, temperature=1.0)
+    ids = loop["completion_ids"]
+    assert torch.equal(ids, gen["completion_ids"])
+    assert ids.shape[1] < 40                                        # every row ended before the limit
+    ended = torch.isin(ids, torch.tensor(eos))
+    first = ended.float().argmax(1)
+    assert ended.any(1).all()
+    for row, t in enumerate(first.tolist()):
+        assert (ids[row, t + 1:] == tok.pad_token_id).all()
+    assert first.min() < first.max() == ids.shape[1] - 1             # rows end at different steps
+
+
+def test_the_kept_logits_are_a_full_forwards_at_the_completion_positions():
+    model, tok, enc, eos = tiny()
+    loop, _ = both(model, tok, enc, eos, keep=5)
+    batch = dict(prompt_ids=enc.input_ids.repeat_interleave(4, 0),
+                 prompt_mask=enc.attention_mask.repeat_interleave(4, 0),
+                 completion_ids=loop["completion_ids"],
+                 completion_mask=ts.completion_mask(loop["completion_ids"], eos))
+    full = completion_logits(model, batch, torch.arange(5), ts.Args())                   # [5, T, V]
+    valid = batch["completion_mask"][:5].bool()
+    assert loop["logits"].shape == full.shape
+    assert (loop["logits"] - full).abs()[valid].max() < 1e-4
+    recomputed = tepo.token_logprobs_from_logits(full, loop["completion_ids"][:5], 0.7)
+    assert (recomputed - loop["logp"][:5]).abs()[valid].max() < 1e-5
+
+
+def test_float64_and_bf16():
+    """float64 weights: the loop computes in float64 (the tests' exact arithmetic); bf16 autocast: it
+    runs, and its log-probs are within bf16 rounding of float32's."""
+    model, tok, enc, eos = tiny()
+    model64 = build_tiny_model(ts.Args(n_layer=2, n_embd=32, n_head=2), tok).double().eval()
+    model64.load_state_dict(model.state_dict())
+    model64.generation_config = model.generation_config
+    loop64, gen64 = both(model64, tok, enc, eos)
+    assert loop64["logp"].dtype == torch.float64
+    mask = ts.completion_mask(loop64["completion_ids"], eos).bool()
+    assert torch.equal(loop64["completion_ids"], gen64["completion_ids"])
+    batch = dict(prompt_ids=enc.input_ids.repeat_interleave(4, 0),
+                 prompt_mask=enc.attention_mask.repeat_interleave(4, 0),
+                 completion_ids=loop64["completion_ids"], completion_mask=mask.long())
+    recomputed = tepo.token_logprobs_from_logits(completion_logits(model64, batch, torch.arange(12), ts.Args()),
+                                                 loop64["completion_ids"], 0.7)      # generate's logits are float32
+    assert (loop64["logp"] - recomputed).abs()[mask].max() < 1e-10
+    greedy32, _ = both(model, tok, enc, eos, greedy=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        greedy16, _ = both(model, tok, enc, eos, greedy=True)
+    same = greedy32["completion_ids"] == greedy16["completion_ids"]
+    assert same[:, 0].all()                          # the first token of every row (then bf16 may diverge)
+    assert (greedy32["logp"][:, 0] - greedy16["logp"][:, 0]).abs().max() < 0.1
+
+
+def test_which_models_the_loop_covers_and_when_the_old_logprobs_are_recomputed():
+    args = ts.Args()
+    gpt2 = GPT2Config(vocab_size=57, n_embd=32, n_layer=1, n_head=2)
+    qwen = Qwen2Config(vocab_size=151_936, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=2)
+    assert uses_loop(args, gpt2) and not uses_loop(args, qwen)
+    assert not uses_loop(dataclasses.replace(args, sampler="generate"), gpt2)
+    assert not uses_loop(args, GPT2Config(scale_attn_by_inverse_layer_idx=True))
+    # fp32 with the loop: the sampler's log-probs; bf16: recomputed; the flag wins either way
+    assert not recompute_old_logprobs(args, gpt2) and sampler_logprobs_wanted(args, gpt2)
+    assert recompute_old_logprobs(dataclasses.replace(args, precision="bf16"), gpt2)
+    assert recompute_old_logprobs(dataclasses.replace(args, recompute_old_logprobs=True), gpt2)
+    assert not recompute_old_logprobs(dataclasses.replace(args, precision="bf16", recompute_old_logprobs=False), gpt2)
+    # generate: recomputed (its log-probs need [B, T, V]); for the sampling check only when that is small
+    assert recompute_old_logprobs(args, qwen)
+    big = dataclasses.replace(args, max_new_tokens=256)
+    assert 128 * 256 * 151_936 * 4 > STACKED_LOGITS_MAX_BYTES and not sampler_logprobs_wanted(big, qwen)
+    small = dataclasses.replace(args, prompts_per_step=1, group_size=2, max_new_tokens=8)
+    assert sampler_logprobs_wanted(small, qwen)
+    assert not sampler_logprobs_wanted(dataclasses.replace(small, check_sampling_logprobs=False), qwen)
+    assert sampler_logprobs_wanted(dataclasses.replace(big, recompute_old_logprobs=False), qwen)   # asked for
+
+
+def test_generate_group_uses_the_loop_or_generate_with_the_same_result():
+    model, tok, _, _ = tiny()
+    args = ts.Args(temperature=0.8, max_new_tokens=10, check_sampling_logprobs=True)
+    out = {}
+    for sampler in ("loop", "generate"):
+        torch.manual_seed(3)
+        out[sampler] = ts.generate_group(model, tok, QUESTIONS, 3, dataclasses.replace(args, sampler=sampler),
+                                         torch.device("cpu"), want_logprobs=True, keep_logits_rows=4)
+    for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated"):
+        assert torch.equal(out["loop"][key], out["generate"][key]), key
+    mask = out["loop"]["completion_mask"].bool()
+    for key in ("sampling_logp", "sampling_entropy"):        # after a row's end: not used, and not compared
+        assert (out["loop"][key] - out["generate"][key]).abs()[mask].max() < 1e-5, key
+    assert (out["loop"]["sampling_logits"] - out["generate"]["sampling_logits"]).abs().max() < 1e-4
