@@ -3,6 +3,7 @@ and the peak memory a run measures."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -84,8 +85,13 @@ def memory_plan(args, config, needs_ref: bool) -> dict:
     # Per token and layer, what a transformer layer keeps for its backward: norms, q/k/v, the
     # attention output and its weights, the residuals and the MLP's hidden layers.
     per_layer_token = (7 * H + 2 * kv_dim + heads * S + 4 * inner) * act
-    layer_inputs = L * b * S * H * 4                      # what gradient checkpointing keeps
-    one_layer = b * S * per_layer_token
+    # Tokens of one forward: every row's prompt and completion under gradient checkpointing; otherwise
+    # each distinct prompt once (forward.completion_logits; a micro-batch that splits groups meets one
+    # more) and every row's completion.
+    prompts = min(b, math.ceil(b / args.group_size) + (b % args.group_size != 0))
+    tokens = b * S if args.gradient_checkpointing else prompts * args.max_prompt_tokens + b * T
+    layer_inputs = L * tokens * H * 4                     # what gradient checkpointing keeps
+    one_layer = tokens * per_layer_token
     logits = b * (T + 1) * V * act                        # one forward's logits [b, T + 1, V]
     chunk = min(LOGITS_CHUNK_BYTES, b * (T + 1) * V * 4)  # one chunk of float32 softmax temporaries
     check = min(args.entropy_check_rows * T, ENTROPY_CHECK_MAX_POSITIONS) * V * act
@@ -95,9 +101,9 @@ def memory_plan(args, config, needs_ref: bool) -> dict:
         "Adam moments (fp32)": 8 * n_params,
         "reference model (fp32)": 4 * n_params if needs_ref else 0,
         "activations, one micro-batch": layer_inputs + one_layer if args.gradient_checkpointing else L * one_layer,
-        # the logits, their gradient, the gradient of the slice [:, :-1] taken of them, and
-        # softmax temporaries chunk by chunk
-        "logits, one micro-batch": 3 * logits + 4 * chunk,
+        # the logits and their gradient, softmax temporaries chunk by chunk, and under gradient checkpointing
+        # the gradient of the slice [:, :-1] taken of them (forward.completion_logits)
+        "logits, one micro-batch": (3 if args.gradient_checkpointing else 2) * logits + 4 * chunk,
         "entropy check (logits before)": check,
         "generation KV cache": 2 * L * rollout * S * kv_dim * act,
         # the fused sample step's float32 temporaries [B, V]; generate's stacked logits [B, T, V] if the

@@ -1,10 +1,13 @@
 """tepokit/forward.py: memory-bounded log-probs equal tepo.py's in value and gradient."""
 
+import pytest
 import torch
 
 import tepo
 import tepokit.forward
-from tepokit.forward import token_logprobs
+import train_small as ts
+from tepokit.forward import completion_logits, token_logprobs
+from tepokit.model import build_char_tokenizer
 from test_tepo import F64, assert_close
 
 
@@ -25,3 +28,37 @@ def test_chunked_token_logprobs_equal_tepo_values_and_gradients(monkeypatch):
     # and by hand: log softmax(z / T) at the token
     z = logits.detach()[1, 2] / 0.7
     assert_close(ours[1, 2], z[tokens[1, 2]] - torch.logsumexp(z, 0), atol=1e-12)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
+def test_prompts_read_once_per_group_give_the_logits_and_gradient_of_one_forward_per_row(arch):
+    """completion_logits reads each distinct prompt once and lets every row's completion attend to a copy
+    of its keys and values; the full path (one forward of prompt + completion per row, as under gradient
+    checkpointing) is the reference: float64, left-padded prompts shared by groups of 4, rows of different
+    lengths, a micro-batch that splits a group."""
+    from tepokit.model import build_tiny_model
+    from tepokit.tests.helpers import hand_batch
+    tok = build_char_tokenizer(["abc 0123456789"])
+    torch.manual_seed(0)
+    model = build_tiny_model(ts.Args(arch=arch, n_layer=2, n_embd=32, n_head=2), tok).double().eval()
+    batch = hand_batch(len(tok), rows=12, prompt=7, completion=6, seed=1)
+    for key in ("prompt_ids", "prompt_mask"):             # groups of 4 rows share a prompt
+        batch[key] = batch[key][::4].repeat_interleave(4, 0)
+    assert (batch["prompt_mask"] == 0).any() and len(set(batch["completion_mask"].sum(1).tolist())) > 1
+    rows = torch.tensor([0, 1, 2, 3, 4, 5, 9, 10])            # two whole groups and parts of two
+    valid = batch["completion_mask"][rows].bool()
+    weights = torch.randn(len(rows), 6, len(tok), dtype=torch.float64)
+    results = []
+    for full in (True, False):
+        logits = completion_logits(model, batch, rows, ts.Args(gradient_checkpointing=full))
+        loss = (logits * weights * valid[..., None]).sum()
+        results.append((logits.detach(), torch.autograd.grad(loss, list(model.parameters()))))
+    (reference, reference_grad), (shared, shared_grad) = results
+    assert shared.shape == reference.shape == (8, 6, len(tok))
+    assert (shared - reference).abs()[valid].max() < 1e-10
+    scale = max(g.abs().max() for g in reference_grad)
+    assert scale > 1e-3                                                          # the gradient is not trivially 0
+    # GPT-2 agrees to float64 rounding; transformers' Qwen2 computes parts of its attention in float32 (its
+    # rotary angles; its eager softmax), so there the gradients agree to float32's rounding
+    tolerance = 1e-12 if arch == "gpt2" else 1e-6
+    assert max((a - b).abs().max() for a, b in zip(shared_grad, reference_grad)) < tolerance * scale
