@@ -72,8 +72,8 @@ from tepokit.bench import PhaseClock  # noqa: E402
 from tepokit.errors import fail, os_error_line  # noqa: E402
 from tepokit.entropy_check import EntropyCheckPositions, checked_rows, entropy_check  # noqa: E402
 from tepokit.stop import StopSignals, Stopped  # noqa: E402
-from tepokit.forward import (autocast, completion_logits, precision_noise_floor, rows_per_forward,  # noqa: E402
-                             token_entropy, token_logprobs)
+from tepokit.forward import (completion_logits, precision_noise_floor, rows_per_forward, token_entropy,  # noqa: E402
+                             token_logprobs)
 from tepokit.kl_mask_log import KLMaskDetails  # noqa: E402
 from tepokit.memory import check_memory, peak_memory_mb, process_memory_mb, reset_peak_memory  # noqa: E402
 from tepokit.model import eos_ids_of, load_policy, pick_device, prepare_start_model  # noqa: E402
@@ -139,7 +139,7 @@ class Args:
     mini_batches: int = 2               # optimizer steps per rollout per epoch (>= 2 lets clipping act)
     epochs: int = 1                     # passes over each rollout
     micro_batch_size: int = 0           # rows per forward and backward (0: the whole mini-batch)
-    recompute_old_logprobs: bool | None = None  # old log-probs by a forward pass, not the sampler's (unset: on in bf16)
+    recompute_old_logprobs: bool | None = None  # old log-probs by a forward pass (unset: in bf16 and with generate)
     max_grad_norm: float = 1.0          # gradient clipping
     # --- measurement ---
     eval_every: int = 25                # held-out evaluation every N steps (and at step 0 and the end)

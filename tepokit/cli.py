@@ -163,6 +163,7 @@ VALID: dict[str, tuple] = {
     "max_new_tokens": at_least(1),
     "max_prompt_tokens": at_least(1),
     "reward": one_of(["strict", "lenient"]),
+    "sampler": one_of(["loop", "generate"]),
     "overlong_cache": at_least(1),
     # --- update ---
     "lr": positive(),

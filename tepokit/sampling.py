@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import tepo
 from tepokit.forward import autocast
 from tepokit.model import eos_ids_of
 
