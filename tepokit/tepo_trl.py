@@ -155,13 +155,16 @@ class TepoGRPOTrainer(GRPOTrainer):
         if mode == "train":
             num_tokens = num_tokens * accumulation / self.args.steps_per_generation
         cfg = self.objective_config
+        # MPO's block-mean counts this micro-batch's blocks only, so its loss is divided by the accumulation
+        # below; its reference KL, a token mean over num_tokens, is given a count that much smaller so
+        # that it is divided once, not twice.
+        own_blocks = self.objective == "mpo" and cfg.block_agg == "block-mean"
         loss, metrics = tepo.OBJECTIVES[self.objective](
             logp, old_logp, inputs["advantages"], mask, cfg, ref_logp=inputs.get("ref_per_token_logps"),
-            entropy=entropy, old_entropy=inputs.get("old_entropy"), num_tokens=num_tokens,
-            num_seqs=logp.size(0) * accumulation)
-        own_blocks = self.objective == "mpo" and cfg.block_agg == "block-mean"
+            entropy=entropy, old_entropy=inputs.get("old_entropy"),
+            num_tokens=num_tokens / accumulation if own_blocks else num_tokens, num_seqs=logp.size(0) * accumulation)
         if own_blocks:
-            loss = loss / accumulation     # MPO's block-mean counts this micro-batch's blocks only
+            loss = loss / accumulation
         if self.aux_loss_enabled:          # MoE load balancing, as in TRL
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
         if not own_blocks:   # a micro-batch's share of the step's loss parts; TRL averages the micro-steps

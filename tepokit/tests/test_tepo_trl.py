@@ -192,3 +192,34 @@ def test_trl_engine_stops_on_sigterm_with_a_checkpoint_and_resumes_every_step_on
     run_main(["--resume", out, "--steps", str(stopped + 2)])                    # two more steps show it goes on
     rows = read_rows(out)
     assert [r["step"] for r in rows] == list(range(stopped + 3)) and "eval/accuracy" in rows[-1]
+
+
+def test_trl_mpo_block_mean_counts_its_reference_kl_once_over_accumulated_micro_batches(trl_model, tmp_path):
+    """MPO with block-mean aggregation and a reference KL, advantages at 0: the loss is beta times the KL
+    alone, a token mean over the step. Over two accumulated micro-batches the adapter must give tepo's
+    loss and gradient on the whole step (it once gave half of them: the KL divided by the accumulation twice)."""
+    from trl.trainer.utils import split_tensor_dict
+    cfg = tepo.config_for("mpo", beta=0.1, block_agg="block-mean")
+    trainer = parity_trainer(trl_model, "mpo", cfg, {}, str(tmp_path))
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2
+    torch.manual_seed(0)
+    inputs = trainer._generate_and_score_completions([{"prompt": p} for p in trainer.train_dataset["prompt"]
+                                                      for _ in range(4)])
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    T = inputs["completion_ids"].shape[1]
+    with torch.no_grad():
+        logp = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attn, T)[0]
+    noise = torch.Generator().manual_seed(1)
+    inputs["old_per_token_logps"] = logp + 0.3 * torch.randn(logp.shape, generator=noise)
+    inputs["ref_per_token_logps"] = logp + 0.3 * torch.randn(logp.shape, generator=noise)
+    inputs["advantages"] = torch.zeros_like(inputs["advantages"])
+    total, grads, _ = one_accumulated_step(trainer, type(trainer)._compute_loss, split_tensor_dict(inputs, 2))
+    model = copy.deepcopy(trainer.model)
+    whole, _ = tepo.mpo_loss(trainer._get_per_token_logps_and_entropies(model, ids, attn, T)[0],
+                             inputs["old_per_token_logps"], inputs["advantages"], inputs["completion_mask"], cfg,
+                             ref_logp=inputs["ref_per_token_logps"])
+    whole.backward()
+    assert whole.item() > 1e-4 and total == pytest.approx(whole.item(), rel=1e-5)
+    assert max((g - p.grad).abs().max().item() for g, p in zip(grads, model.parameters())) < 1e-6
