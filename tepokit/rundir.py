@@ -129,6 +129,11 @@ def identity_differences(saved: dict, found: dict) -> list[str]:
     return [key for key, value in saved.items() if found.get(key) != value]
 
 
+# Settings added after runs were saved without them, with the value that does what those runs did, so that
+# --resume continues them with the same arithmetic: generate sampled, and the old log-probs were recomputed.
+SETTINGS_ADDED_LATER = {"sampler": "generate", "recompute_old_logprobs": True}
+
+
 def check_resumable(run_dir: str, Args, run_only: tuple) -> tuple[dict, int]:
     """(saved config.json, step of checkpoint.pt) of a run directory that --resume can continue.
     Otherwise one line saying why not. Only reads: nothing on disk changes either way.
@@ -154,6 +159,8 @@ def check_resumable(run_dir: str, Args, run_only: tuple) -> tuple[dict, int]:
     if unknown:
         fail(f"argument --resume: {config_path} has settings this version of train_small.py does not know "
              f"({', '.join(unknown)}); {CANNOT_RESUME}")
+    for name, value in SETTINGS_ADDED_LATER.items():    # a run saved before they existed did this
+        saved["args"].setdefault(name, value)
     missing = sorted(set(Args.__dataclass_fields__) - set(run_only) - set(saved["args"]))
     if missing:
         fail(f"argument --resume: {config_path} lacks settings the run needs ({', '.join(missing)}); {CANNOT_RESUME}")

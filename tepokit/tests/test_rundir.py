@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import train_small as ts
+from tepokit import cli, rundir
 from tepokit.rundir import read_log, truncate_log, write_atomically
 from tepokit.tests.helpers import (MICRO, SCRIPT, assert_refused_in_one_line, assert_whole_rows_without_duplicates,
                                    fake_run, read_details, read_rows, rows_in, run_main, start_process,
@@ -294,3 +295,20 @@ def test_a_file_size_limit_is_one_line_in_a_real_process(tmp_path):
     last = result.stderr.strip().splitlines()[-1]          # above it: the progress bars of the warm-up
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert last.startswith("train_small.py: error: could not write") and "ulimit -f" in last, last
+
+
+def test_a_run_saved_before_the_sampler_resumes_with_the_arithmetic_it_had(workdir):
+    """config.json written before --sampler and --recompute-old-logprobs existed: --resume fills them in
+    with what that run did (generate, recomputed old log-probs) instead of refusing the run."""
+    out = "runs/before_sampler"
+    run_main([*MICRO, "--steps", "2", "--stop-after", "1", "--out", out])
+    path = os.path.join(out, "config.json")
+    config = json.load(open(path))
+    del config["args"]["sampler"], config["args"]["recompute_old_logprobs"]
+    with open(path, "w") as f:
+        json.dump(config, f)
+    run_main(["--resume", out])
+    assert [r["step"] for r in read_rows(out)] == [0, 1, 2]
+    resumed = rundir.check_resumable(out, ts.Args, cli.RUN_ONLY_FIELDS)[0]["args"]
+    assert resumed["sampler"] == "generate" and resumed["recompute_old_logprobs"] is True
+    assert "logprobs/sampling_vs_recomputed_max_abs" in read_rows(out)[2]       # recomputed, and checked
