@@ -45,8 +45,8 @@ def stacked_logits_bytes(args, config) -> int:
 
 def recompute_old_logprobs(args, config) -> bool:
     """Are the old log-probs recomputed by a forward pass after the rollout? --recompute-old-logprobs;
-    unset: yes in bf16 (sampling and training kernels round differently, and the first mini-batch must
-    see exactly the policy it computes) and with generate (its log-probs need the logits of every step,
+    unset: yes in bf16 (the sampler's and the training forward's log-probs then differ by bf16's rounding,
+    as much as an update changes them) and with generate (its log-probs need the logits of every step,
     [B, T, V], which grow with the rollout); no with the loop in fp32, whose log-probs cost nothing."""
     if args.recompute_old_logprobs is not None:
         return args.recompute_old_logprobs
