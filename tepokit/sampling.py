@@ -5,10 +5,11 @@ Two ways, the same distribution (plain softmax(z / T), no top-k, no top-p):
     Each prompt is read once for its whole group (its keys and values are then copied G times), the
     keys and values live in one preallocated buffer, and one fused step per token samples it and
     keeps its log-prob and entropy. With the same random stream it draws the same tokens as
-    transformers' `generate` (tests/test_sampling.py): it replaces generate's general machinery, not
-    its sampling.
+    transformers' `generate` (tepokit/tests/test_sampling.py): it replaces generate's general machinery,
+    not its sampling.
   - sample_generate: transformers' `generate`, for every other model. It gives log-probs and entropies
-    only by stacking the logits of every step ([B, T, V]), so only when that is small (memory.py).
+    only from the logits of every step ([B, T, V]), so by default its old log-probs are recomputed
+    (recompute_old_logprobs).
 
 Why the log-probs matter: they are the behaviour policy's, computed from the very logits that chose
 each token, so the RL step needs no extra forward pass for its old log-probs (train_small.py,
