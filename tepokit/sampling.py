@@ -61,16 +61,21 @@ def sampler_logprobs_wanted(args, config) -> bool:
             or (args.check_sampling_logprobs and stacked_logits_bytes(args, config) <= STACKED_LOGITS_MAX_BYTES))
 
 
+def logprob_and_entropy(logits: torch.Tensor, token: torch.Tensor, temperature: float) -> tuple:
+    """log p(token) and the entropy of one position at temperature T, from its logits [B, V] and the
+    token [B]: each [B], in the model's precision if finer than float32 (float64 in the tests).
+    tepo.token_logprobs_from_logits and tepo.entropy_from_logits in one pass over the logits."""
+    logp_all = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, -1)
+    return logp_all.gather(1, token[:, None]).squeeze(1), -(logp_all.exp() * logp_all).sum(-1)
+
+
 def sample_step(logits: torch.Tensor, temperature: float, greedy: bool) -> tuple:
     """One token per row from the last position's logits [B, V]: (token, its log-prob, the entropy),
     each [B]. The probabilities it samples from are computed as generate computes them (float32
-    softmax of z / T), so the same random stream draws the same tokens; log-prob and entropy are in
-    the model's precision if it is finer (float64 in the tests)."""
+    softmax of z / T), so the same random stream draws the same tokens."""
     z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature   # [B, V]
     token = z.argmax(-1) if greedy else torch.multinomial(torch.softmax(z.float(), -1), 1).squeeze(1)   # [B]
-    logp_all = torch.log_softmax(z, -1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)                                  # [B]
-    return token, logp_all.gather(1, token[:, None]).squeeze(1), entropy
+    return token, *logprob_and_entropy(logits, token, temperature)
 
 
 @torch.no_grad()
@@ -152,13 +157,10 @@ def sample_generate(model, prompt_ids, prompt_mask, group_size: int, max_new_tok
                          **sampling)
     result = dict(completion_ids=out.sequences[:, ids.shape[1]:])                    # [B, T]
     if stacked:       # step by step: one step's temporaries [B, V] at a time beside generate's logits
-        logp, entropy = [], []
-        for t, step_logits in enumerate(out.logits):
-            z = step_logits.to(torch.promote_types(step_logits.dtype, torch.float32)) / temperature   # [B, V]
-            logp_all = torch.log_softmax(z, -1)
-            logp.append(logp_all.gather(1, result["completion_ids"][:, t, None]).squeeze(1))
-            entropy.append(-(logp_all.exp() * logp_all).sum(-1))
-        result["logp"], result["entropy"] = torch.stack(logp, 1), torch.stack(entropy, 1)   # [B, T]
+        steps = [logprob_and_entropy(step_logits, result["completion_ids"][:, t], temperature)
+                 for t, step_logits in enumerate(out.logits)]
+        result["logp"] = torch.stack([logp for logp, _ in steps], 1)                  # [B, T]
+        result["entropy"] = torch.stack([entropy for _, entropy in steps], 1)         # [B, T]
         if keep_logits_rows:
             result["logits"] = torch.stack([lt[:keep_logits_rows] for lt in out.logits], 1)  # [rows, T, V], a copy
     return result
