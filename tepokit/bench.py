@@ -157,6 +157,11 @@ def print_phases(ours: dict, flops: dict, rate: float) -> None:
               f"{achieved / 1e9:>9.2f}{achieved / rate:>13.1%}")
 
 
+# Settings of the bench's own run that the memory runs do not take over.
+NOT_PASSED_ON = ("bench", "bench_steps", "out", "compare", "seeds", "resume", "overwrite", "steps", "eval_every")
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_small.py")
+
+
 def rollout_memory(args, obj_overrides: dict, out: str) -> dict:
     """Peak memory of one RL step at the run's rollout and at twice as many prompts, with the micro-batch
     fixed at the run's rows per forward: each in a process of its own (the peak resident memory of a
@@ -179,11 +184,6 @@ def rollout_memory(args, obj_overrides: dict, out: str) -> dict:
     print(f"peak memory above the process's before the model, micro-batch {micro} rows: {small:.0f} MiB at "
           f"{args.prompts_per_step} prompts, {large:.0f} MiB at {2 * args.prompts_per_step} ({large / small:.2f}x)")
     return {"micro_batch_size": micro, "peak_mb_above_start": peaks, "ratio": large / small}
-
-
-# Settings of the bench's own run that the memory runs do not take over.
-NOT_PASSED_ON = ("bench", "bench_steps", "out", "compare", "seeds", "resume", "overwrite", "steps", "eval_every")
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_small.py")
 
 
 def flag_and_value(name: str, value) -> list[str]:

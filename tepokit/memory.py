@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from tepokit.entropy_check import ENTROPY_CHECK_MAX_POSITIONS
+from tepokit.entropy_check import ENTROPY_CHECK_MAX_POSITIONS, checked_rows
 from tepokit.errors import fail
 from tepokit.forward import LOGITS_CHUNK_BYTES, rows_per_forward
 from tepokit.hub import cannot_load, use_offline_hub_if_unreachable
@@ -94,7 +94,7 @@ def memory_plan(args, config, needs_ref: bool) -> dict:
     one_layer = tokens * per_layer_token
     logits = b * (T + 1) * V * act                        # one forward's logits [b, T + 1, V]
     chunk = min(LOGITS_CHUNK_BYTES, b * (T + 1) * V * 4)  # one chunk of float32 softmax temporaries
-    check = min(args.entropy_check_rows * T, ENTROPY_CHECK_MAX_POSITIONS) * V * act
+    check = min(checked_rows(args) * T, ENTROPY_CHECK_MAX_POSITIONS) * V * act   # the check's kept logits
     plan = {
         "weights (fp32)": 4 * n_params,
         "gradients (fp32)": 4 * n_params,
