@@ -47,7 +47,8 @@ __all__ = [
     # 1. building blocks
     "masked_sum", "masked_mean", "ADVANTAGE_SCALES", "group_advantages", "token_log_ratio", "sequence_log_ratio",
     "block_index", "BLOCK_RATIOS", "block_log_ratio", "AGGREGATIONS", "aggregate_loss", "KL_ESTIMATORS",
-    "kl_penalty", "token_logprobs_from_logits", "entropy_from_logits", "token_covariance", "dynamic_sampling_mask",
+    "kl_penalty", "token_logprobs_from_logits", "entropy_from_logits", "entropy_bonus", "token_covariance",
+    "dynamic_sampling_mask",
     "soft_overlong_punishment",
     # 2. configuration
     "ObjectiveConfig", "RATIO_MODES", "ENTROPY_CRITERIA", "KL_TARGETS", "KL_MODES", "BLOCK_AGGREGATIONS",
@@ -330,6 +331,28 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0,
     return out.view(logits.shape[:-1])
 
 
+def entropy_bonus(logits: torch.Tensor, mask: torch.Tensor, cfg: "ObjectiveConfig", temperature: float = 1.0, *,
+                  num_tokens=None, num_seqs=None) -> torch.Tensor:
+    """The entropy bonus, a loss term: -entropy_coef * aggregate(H), H the full-vocabulary entropy at each
+    token, WITH its gradient.                                                 [B, T, V], [B, T] -> scalar
+
+    The oldest remedy against entropy collapse (Williams and Peng 1991; PPO's c2 S[pi] term, arXiv
+    1707.06347 eq. 9). Added by the trainer to any objective's loss, as verl's actor adds its
+    entropy_coeff (default 0 there, because a bad coefficient makes training unstable; verl PR #1770),
+    and aggregated like that objective's loss (cfg.aggregation, num_tokens / num_seqs as in
+    aggregate_loss). Its gradient on the logits z of a position is -entropy_coef * w * dH/dz with
+    dH/dz_v = -p_v (log p_v + H) (entropy_grad_wrt_logits, section 4), w the aggregation weight.
+    Flag: --entropy-coef. Zero (no gradient, no cost) when entropy_coef = 0.
+    """
+    if cfg.entropy_coef == 0:
+        return torch.zeros((), dtype=_at_least_float32(logits).dtype, device=logits.device)
+    z = _at_least_float32(logits) / temperature
+    logp = torch.log_softmax(z, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)                                     # [B, T], with gradient
+    return -cfg.entropy_coef * aggregate_loss(entropy, mask, cfg.aggregation, num_tokens=num_tokens,
+                                              num_seqs=num_seqs, norm_constant=cfg.norm_constant)
+
+
 # ---- the per-token covariance (Cui et al., arXiv 2505.22617: Clip-Cov and KL-Cov) ------------------
 
 @torch.no_grad()
@@ -399,11 +422,12 @@ class ObjectiveConfig:
     # aggregation
     aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
     norm_constant: float | None = None  # C of seq-mean-token-sum-norm; None = padded length T
-    # advantages and data (read by the trainer, not by the losses)
+    # advantages, data and the entropy bonus (read by the trainer, not by the losses)
     advantage_scale: str = "group"   # group | batch | none (Dr. GRPO)
     adv_eps: float = 1e-6            # epsilon in the advantage's std division (verl 1e-6, TRL 1e-4)
     dynamic_sampling: bool = False   # DAPO: drop groups whose rewards are all equal
     overlong_penalty: bool = False   # DAPO: add soft_overlong_punishment to the reward
+    entropy_coef: float = 0.0        # entropy bonus: the trainer subtracts coef x the mean entropy from any loss
     # TEPO (our reconstruction; see tepo_loss and tepo_kl_mask, section 3.7)
     ratio_mode: str = "gspo_token"   # gspo_token (sequence ratio carried to tokens) | gmpo (log-space clip)
     entropy_criterion: str = "cov"   # "decreasing entropy" = cov (Cov_{i,t} > 0) | measured (H < H_old)
@@ -442,7 +466,7 @@ def check_config(cfg: ObjectiveConfig) -> None:
     _check_choice("kl_mode", cfg.kl_mode, KL_MODES)
     _check_choice("block_ratio", cfg.block_ratio, BLOCK_RATIOS)
     _check_choice("block_agg", cfg.block_agg, BLOCK_AGGREGATIONS)
-    for name in ("eps_low", "eps_high", "beta", "kl_tau", "adv_eps", "clip_cov_ratio", "kl_cov_ratio"):
+    for name in ("eps_low", "eps_high", "beta", "kl_tau", "adv_eps", "clip_cov_ratio", "kl_cov_ratio", "entropy_coef"):
         if not getattr(cfg, name) >= 0:
             raise ValueError(f"{name}={getattr(cfg, name)!r} is not valid; choose a number >= 0")
     if not cfg.log_ratio_clamp > 0:
@@ -505,6 +529,7 @@ PAPER_DEFAULTS: dict[str, ObjectiveConfig] = {
 #   advantage_scale       GRPO's group std ("group"); Dr. GRPO drops it ("none")
 #   adv_eps               an implementation guard in the std division, no paper
 #   dynamic_sampling, overlong_penalty   DAPO (arXiv 2503.14476)
+#   entropy_coef          the entropy bonus (PPO's c2, arXiv 1707.06347), added by the trainer (entropy_bonus)
 #   clip_cov_*, kl_cov_ratio             Clip-Cov / KL-Cov (Cui et al., arXiv 2505.22617)
 #   ratio_mode, entropy_criterion, kl_target, kl_mode, kl_tau   TEPO (arXiv 2510.09369), our reconstruction
 #   block_size, block_ratio, block_agg   MPO (arXiv 2602.14386), our reconstruction
@@ -513,7 +538,7 @@ PAPER_DEFAULTS: dict[str, ObjectiveConfig] = {
 # together with another: kl_estimator only when beta > 0 (or, for TEPO, kl_mode="hard"), norm_constant
 # only with aggregation="seq-mean-token-sum-norm", dual_clip_c only when it is not None, kl_tau only
 # with kl_mode="hard". test_tepo.py section 14 checks every entry both ways.
-TRAINER_FIELDS = ("advantage_scale", "adv_eps", "dynamic_sampling", "overlong_penalty")
+TRAINER_FIELDS = ("advantage_scale", "adv_eps", "dynamic_sampling", "overlong_penalty", "entropy_coef")
 _CLIP = ("eps_low", "eps_high", "log_ratio_clamp")
 _KL_AND_AGGREGATION = ("beta", "kl_estimator", "aggregation", "norm_constant")
 FIELDS_READ: dict[str, tuple[str, ...]] = {

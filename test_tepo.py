@@ -93,6 +93,10 @@ Pitfalls small RL projects have shipped, each ruled out by name
 Configuration
  45. tepo.FIELDS_READ is exact: changing a field an objective does not declare leaves its loss and
      gradient bit-identical, and every field it declares changes them for some valid value.
+The entropy bonus
+ 46. entropy_bonus is -coef x the aggregated full-vocabulary entropy; its gradient on the logits is
+     -coef w p_v (log p_v + H) per position (w the aggregation weight), padding gets none, and
+     coef = 0 gives exactly 0 with no gradient.
 Besides these: one-line ValueErrors naming the bad argument and the valid choices (a NaN or inf
 where mask is 1, a mask that is not 0/1, a shape mismatch: refused by every objective), fully masked
 rows giving finite zeros, an empty batch giving exactly 0 with zero gradients, bf16 inputs staying
@@ -1979,7 +1983,7 @@ FIELD_VALUES = {
     "entropy_criterion": ("measured", "cov"), "kl_target": ("ref", "old"), "kl_mode": ("hard", "soft"),
     "kl_tau": (0.05, 0.0), "block_size": (2, 3), "block_ratio": ("geomean", "joint"),
     "block_agg": ("block-mean", "token-weighted"), "clip_cov_ratio": (0.5, 0.05), "clip_cov_lb": (0.0, -100.0),
-    "clip_cov_ub": (0.0, 100.0), "kl_cov_ratio": (0.5, 0.05),
+    "clip_cov_ub": (0.0, 100.0), "kl_cov_ratio": (0.5, 0.05), "entropy_coef": (0.01, 0.5),
 }
 ACTIVE = dict(beta=0.5, kl_estimator="k3", aggregation="seq-mean-token-sum-norm", norm_constant=5.0, dual_clip_c=2.0,
               clip_cov_ratio=0.2, clip_cov_lb=-100.0, clip_cov_ub=100.0, kl_cov_ratio=0.2)
@@ -2057,3 +2061,40 @@ def test_every_config_field_has_its_own_comment_without_python_names():
         comment = line.split("#", 1)[1].strip() if "#" in line else ""
         assert comment, f.name
         assert not [n for n in constants if re.search(rf"\b{n}\b", comment)], (f.name, comment)
+
+
+# =====================================================================================================
+# The entropy bonus (property 46)
+# =====================================================================================================
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_entropy_bonus_value_and_gradient_by_hand(aggregation):
+    """Property 46: the value is -coef x the aggregated entropy (written out here), and the gradient on each
+    logit is -coef w dH/dz, dH/dz_v = -p_v (log p_v + H), with w the position's aggregation weight."""
+    torch.manual_seed(3)
+    B, T, V, coef = 3, 4, 5, 0.3
+    logits = torch.randn(B, T, V, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    c = tepo.ObjectiveConfig(entropy_coef=coef, aggregation=aggregation)
+    loss = tepo.entropy_bonus(logits, mask, c)
+    loss.backward()
+    p = torch.softmax(logits.detach(), -1)
+    H = -(p * p.log()).sum(-1)                                                     # [B, T]
+    m = mask.double()
+    w = m / m.sum() if aggregation == "token-mean" else m / m.sum(1, keepdim=True) / B           # [B, T]
+    assert loss.item() == pytest.approx(-coef * (w * H).sum().item(), rel=1e-12)
+    expected = -coef * w.unsqueeze(-1) * (-p * (p.log() + H.unsqueeze(-1)))
+    assert torch.allclose(logits.grad, expected, atol=1e-12)
+    assert (logits.grad[mask == 0] == 0).all()                                    # padding: no gradient
+
+
+def test_entropy_bonus_is_zero_without_a_coefficient_and_raises_entropy_when_followed():
+    logits = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(2, 3)
+    zero = tepo.entropy_bonus(logits, mask, tepo.ObjectiveConfig())
+    assert zero.item() == 0 and not zero.requires_grad
+    bonus = tepo.entropy_bonus(logits, mask, tepo.ObjectiveConfig(entropy_coef=1.0))
+    bonus.backward()
+    before = tepo.entropy_from_logits(logits.detach()).mean()
+    after = tepo.entropy_from_logits(logits.detach() - 0.1 * logits.grad).mean()   # one descent step on the loss
+    assert after > before

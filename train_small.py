@@ -70,6 +70,7 @@ import tepo  # noqa: E402
 from tepokit import bench, cli, compare, rundir  # noqa: E402
 from tepokit.bench import PhaseClock  # noqa: E402
 from tepokit.errors import fail, os_error_line  # noqa: E402
+from tepokit.forks import eval_by_type, rollout_fork_metrics  # noqa: E402
 from tepokit.entropy_check import EntropyCheckPositions, checked_rows, entropy_check  # noqa: E402
 from tepokit.stop import StopSignals, Stopped  # noqa: E402
 from tepokit.forward import (completion_logits, precision_noise_floor, rows_per_forward, token_entropy,  # noqa: E402
@@ -113,7 +114,9 @@ class Args:
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
     precision: str = "fp32"             # bf16 runs the forward passes under autocast
     # --- task ---
-    dataset: str | None = None          # openai/gsm8k, a local dataset dir or .jsonl (default: built-in arithmetic)
+    dataset: str | None = None          # openai/gsm8k, a local dataset dir or .jsonl (default: a built-in task)
+    task: str = "arith"                 # built-in task: arith, or hidden-type (made for entropy collapse; a preset)
+    majority: float = 0.7               # hidden-type task: share of the problems whose right reading is the first
     difficulty: int = 15                # built-in task: largest operand
     ops: str = "+-*"                    # built-in task: operations to draw from (any of + - *)
     sft_noise: float = 0.5              # built-in task: fraction of warm-up demonstrations that misread the problem
@@ -247,7 +250,8 @@ def rl_step(run: Run, step: int) -> tuple[dict, dict | None]:
                            keep_logits_rows=checked_rows(args) if checked and not run.recompute else 0)
     clock.lap("generate")
     golds = [gold_answer(a) for a in records["answer"] for _ in range(args.group_size)]
-    scored = compute_rewards(batch, decode(run.tokenizer, batch), golds, args, run.cfg)         # 3. rewards
+    texts = decode(run.tokenizer, batch)
+    scored = compute_rewards(batch, texts, golds, args, run.cfg)                                # 3. rewards
     adv, keep = compute_advantages(scored["rewards"], args, run.cfg)                            # 4. advantages
     clock.lap("reward")
     for group in run.optimizer.param_groups:   # linear learning-rate warm-up
@@ -261,7 +265,10 @@ def rl_step(run: Run, step: int) -> tuple[dict, dict | None]:
     clock.lap("update")
     check = entropy_check(run, batch, stats) if checked else (0.0, 0.0, float("nan"))           # 7. measure
     clock.lap("entropy_check")
-    row = {"step": step, **rollout_metrics(batch, scored, keep, stats, args), **losses,
+    types = [t for t in records["type"] for _ in range(args.group_size)] if "type" in records.column_names else None
+    row = {"step": step, **rollout_metrics(batch, scored, keep, stats, args),
+           **rollout_fork_metrics(texts, types, stats["entropy"], stats["old_logp"], adv, batch["completion_mask"],
+                                  scored["strict"], args.group_size), **losses,
            **({"entropy_change/predicted": check[0], "entropy_change/measured": check[1],
                "entropy_change/position_corr": check[2]} if checked or not plan else {}),
            **clock.row(), "perf/tokens_per_second": batch["completion_mask"].sum().item() / clock.total()}
@@ -417,6 +424,7 @@ def micro_batch_loss(run, batch: dict, stats: dict, adv: torch.Tensor, rows: tor
     loss, metrics = run.objective(logp, old_logp, adv[idx], mask, cfg, ref_logp=ref,
                                   entropy=entropy if needs_entropy else None,
                                   old_entropy=old_entropy if needs_entropy else None, **counts)
+    loss = loss + tepo.entropy_bonus(logits, mask, cfg, args.temperature, **counts)   # 0 unless --entropy-coef
     if details is not None:
         details.add(idx, logp, old_logp, adv[idx], mask, entropy, old_entropy)
     return loss, metrics, log_ratio
@@ -474,17 +482,23 @@ def evaluate(model, tokenizer, test, args: Args, device) -> dict:
                                                                  device, greedy=True)),
                                 [gold_answer(a) for a in rows["answer"]])
               for rows in dataset_chunks(test, len(test), rollout_rows)]
-    sampled = [score_completions(decode(tokenizer, generate_group(model, tokenizer, list(rows["question"]),
-                                                                  args.pass_k, args, device)),
-                                 [gold_answer(a) for a in rows["answer"] for _ in range(args.pass_k)])[0]
-               for rows in dataset_chunks(test, args.pass_k_problems, max(1, rollout_rows // args.pass_k))]
-    right = torch.cat(sampled).view(-1, args.pass_k)                                # [problems, K]
+    sampled_texts = [decode(tokenizer, generate_group(model, tokenizer, list(rows["question"]), args.pass_k, args,
+                                                      device))
+                     for rows in dataset_chunks(test, args.pass_k_problems, max(1, rollout_rows // args.pass_k))]
+    sampled_texts = [text for chunk in sampled_texts for text in chunk]
+    golds = [gold_answer(a) for a in test.select(range(len(sampled_texts) // args.pass_k))["answer"]]
+    right = score_completions(sampled_texts, [g for g in golds for _ in range(args.pass_k)])[0]
+    right = right.view(-1, args.pass_k)                                             # [problems, K]
     n_right = right.sum(1).long().tolist()                                          # c of each problem
-    return {"eval/accuracy": torch.cat([s for s, _ in greedy]).mean().item(),
-            "eval/accuracy_lenient": torch.cat([l for _, l in greedy]).mean().item(),
-            **{f"eval/pass@{k}": sum(pass_at_k(args.pass_k, c, k) for c in n_right) / len(n_right)
-               for k in pass_k_values(args.pass_k)},
-            f"eval/mean@{args.pass_k}": right.mean().item()}
+    greedy_right = torch.cat([s for s, _ in greedy])                                # [N]
+    row = {"eval/accuracy": greedy_right.mean().item(),
+           "eval/accuracy_lenient": torch.cat([l for _, l in greedy]).mean().item(),
+           **{f"eval/pass@{k}": sum(pass_at_k(args.pass_k, c, k) for c in n_right) / len(n_right)
+              for k in pass_k_values(args.pass_k)},
+           f"eval/mean@{args.pass_k}": right.mean().item()}
+    if "type" in test.column_names:     # the hidden-type task: each type apart (tepokit/forks.py)
+        row |= eval_by_type(greedy_right, right, sampled_texts, list(test["type"]), args.pass_k)
+    return row
 
 
 def dataset_chunks(data, n: int, size: int):

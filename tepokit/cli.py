@@ -18,7 +18,7 @@ from tepokit.errors import fail, warn
 from tepokit.forward import rows_per_minibatch
 from tepokit.helptext import CLI_HELP, EXAMPLES, HELP_GROUPS, field_comments, help_group, paper_values
 from tepokit.rundir import check_resumable, holds_a_run, lock_holder
-from tepokit.task import arithmetic_task_size
+from tepokit.task import arithmetic_task_size, hidden_type_task_size
 
 # Fields of Args that only say how to run, not what is computed: they are not compared on resume.
 RUN_ONLY_FIELDS = ("resume", "stop_after", "compare", "seeds", "baseline", "bench", "bench_steps", "out", "threads",
@@ -146,6 +146,8 @@ VALID: dict[str, tuple] = {
     # --- task ---
     "dataset": path("a Hugging Face id, or an existing local .jsonl / .json file or dataset directory",
                     hub_id_or_local),
+    "task": one_of(["arith", "hidden-type"]),
+    "majority": fraction(),
     "difficulty": at_least(1),
     "ops": ("a non-empty string of distinct characters from + - *",
             lambda v: 0 < len(v) == len(set(v)) and set(v) <= set("+-*"), None),
@@ -200,7 +202,9 @@ VALID: dict[str, tuple] = {
 
 
 def builtin_task_size(args) -> int:
-    """How many problems make_arithmetic_task draws at most for this --difficulty and --ops."""
+    """How many problems the built-in task draws at most for this --task, --difficulty and --ops."""
+    if args.task == "hidden-type":
+        return hidden_type_task_size(args.difficulty)
     return arithmetic_task_size(args.difficulty, args.ops)
 
 
@@ -352,6 +356,9 @@ def check_values(args, obj_overrides: dict) -> None:
             valid = re.sub(r"\b([a-z]+(?:_[a-z]+)+)(=(\S+))?",       # field names and values as flags
                            lambda f: flag(f[1]) + (f" ({f[3]})" if f[2] else "") if f[1] in kinds else f[0], m[3])
             fail(f"argument {flag(m[1])}: invalid value {m[2]}; choose {valid}")
+    if args.engine == "trl" and obj_overrides.get("entropy_coef"):
+        fail(f"argument --entropy-coef: invalid value {obj_overrides['entropy_coef']!r}; choose 0 with --engine trl "
+             "(TRL's GRPOTrainer has no entropy bonus), or --engine tepo")
     sizes = {"rows_per_minibatch": rows_per_minibatch(args), "builtin_task_size": builtin_task_size(args)}
     for name, valid, test in RELATIONS:
         if not test(args):
@@ -386,13 +393,24 @@ REGIMES = {"standard": {}, "collapse": {"lr": 3e-4}}
 DEMO = {"task_seed": 1, "steps": 80, "eval_every": 40, "pass_k_problems": 50, "lr_warmup_steps": 5}
 
 
+# --task hidden-type: the task made for entropy collapse (tepokit/task.py, docs/collapse.md) and its preset, fixed
+# from GRPO (beta 0) runs alone before any other objective was run on it. Operands 2..9 (so the arithmetic
+# after the decision is near-deterministic), answers of at most 15 tokens, the committed start model (task seed 1),
+# and the measurements that show a collapse: pass@k up to 16 on 100 held-out problems, by type.
+TASKS = {"arith": {}, "hidden-type": {"task_seed": 1, "difficulty": 9, "max_new_tokens": 16, "steps": 150,
+                                      "eval_every": 25, "pass_k": 16, "pass_k_problems": 100}}
+# --demo --task hidden-type: the collapse in class, 60 steps (evaluated at 0, 30 and 60).
+DEMO_HIDDEN_TYPE = {"steps": 60, "eval_every": 30, "lr_warmup_steps": 5}
+
+
 def parse_args(Args, argv=None) -> tuple:
     """Parse and validate the command line. Returns (args, objective overrides from flags).
     With --resume: the run's saved settings, with the command line's run-only fields and --steps."""
     given = vars(build_parser(Args).parse_args(argv))            # only the flags on the command line
     args = Args(**{k: v for k, v in given.items() if k in Args.__dataclass_fields__})
     if not args.resume:
-        preset = {**REGIMES[args.regime], **(DEMO if args.demo else {})}
+        demo = (DEMO_HIDDEN_TYPE if args.task == "hidden-type" else DEMO) if args.demo else {}
+        preset = {**TASKS[args.task], **REGIMES[args.regime], **demo}
         args = dataclasses.replace(args, **{k: v for k, v in preset.items() if k not in given})
     obj_overrides = {k: v for k, v in given.items() if k not in Args.__dataclass_fields__}
     if args.resume:

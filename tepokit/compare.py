@@ -84,15 +84,23 @@ def objective_table(table: dict, args) -> list[str]:
     return lines
 
 
-def paired_metrics(pass_k: int) -> list[tuple]:
+def paired_metrics(pass_k: int, task: str = "arith") -> list[tuple]:
     """What --compare pairs by seed: (key of a run's summary.json, label, factor to the unit shown, format).
-    Accuracies and their gains in points (x 100)."""
-    return [("gain_points", "final held-out accuracy gain (points)", 1, "+.1f"),
-            ("accuracy_auc", "held-out accuracy averaged over the run (points)", 100, "+.1f"),
-            ("final_sampled_accuracy", "final sampled accuracy = pass@1 (points)", 100, "+.1f"),
-            (f"final_pass@{pass_k}", f"final pass@{pass_k} (points)", 100, "+.1f"),
-            ("steps_to_target", "steps to target accuracy", 1, "+.0f"),
-            ("final_entropy", "final entropy (nats)", 1, "+.3f")]
+    Accuracies and their gains in points (x 100). The hidden-type task adds what tells a collapse: the
+    entropy at the decision token and over all tokens (means of the last tenth of the run) and the
+    minority type's sampled accuracy and pass@k."""
+    common = [("gain_points", "final held-out accuracy gain (points)", 1, "+.1f"),
+              ("accuracy_auc", "held-out accuracy averaged over the run (points)", 100, "+.1f"),
+              ("final_sampled_accuracy", "final sampled accuracy = pass@1 (points)", 100, "+.1f"),
+              (f"final_pass@{pass_k}", f"final pass@{pass_k} (points)", 100, "+.1f"),
+              ("steps_to_target", "steps to target accuracy", 1, "+.0f"),
+              ("final_entropy", "final entropy (nats)", 1, "+.3f")]
+    if task != "hidden-type":
+        return common
+    return common + [("decision_entropy_end", "decision-token entropy, last tenth (nats)", 1, "+.3f"),
+                     ("entropy_end", "mean token entropy, last tenth (nats)", 1, "+.3f"),
+                     (f"final_mean@{pass_k}/mul", "minority type's final sampled accuracy (points)", 100, "+.1f"),
+                     (f"final_pass@{pass_k}/mul", f"minority type's final pass@{pass_k} (points)", 100, "+.1f")]
 
 
 def paired_differences(results: dict, args) -> dict:
@@ -108,7 +116,7 @@ def paired_differences(results: dict, args) -> dict:
         if name == args.baseline:
             continue
         paired[name] = {}
-        for key, label, factor, _ in paired_metrics(args.pass_k):
+        for key, label, factor, _ in paired_metrics(args.pass_k, args.task):
             per_seed = [None if r[key] is None or b[key] is None else factor * (r[key] - b[key])
                         for r, b in zip(runs, base)]
             paired[name][key] = {"label": label, "per_seed": per_seed,
@@ -126,7 +134,7 @@ def paired_table(paired: dict, args, seeds: list[int]) -> list[str]:
              f"| objective − {args.baseline} | metric | per seed ({', '.join(map(str, seeds))}) | mean | "
              f"95% interval | seeds |", "|---|---|---|---|---|---|"]
     for name, metrics in paired.items():
-        for key, label, _, fmt in paired_metrics(args.pass_k):
+        for key, label, _, fmt in paired_metrics(args.pass_k, args.task):
             m = metrics[key]
             per_seed = ", ".join("not reached" if d is None else format(d, fmt) for d in m["per_seed"])
             mean = "-" if m["mean"] is None else format(m["mean"], fmt)

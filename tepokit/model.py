@@ -64,8 +64,9 @@ def builtin_tokenizer(task):
 
 
 # What determines the warmed-up built-in model, besides the code: these settings and the task seed.
-WARMUP_SETTINGS = ("arch", "n_layer", "n_embd", "n_head", "difficulty", "ops", "sft_noise", "n_train", "n_test",
-                   "warmup_steps", "warmup_lr", "warmup_batch", "max_prompt_tokens", "max_new_tokens")
+WARMUP_SETTINGS = ("arch", "n_layer", "n_embd", "n_head", "task", "difficulty", "ops", "sft_noise", "majority",
+                   "n_train", "n_test", "warmup_steps", "warmup_lr", "warmup_batch", "max_prompt_tokens",
+                   "max_new_tokens")
 
 
 def warmup_recipe(args) -> dict:
@@ -78,8 +79,9 @@ def warmup_cache_dir(args, task, tokenizer) -> str:
     data's identity (task_fingerprint: a run on the user's JSONL never meets the built-in task's entry)
     and the tokenizer's vocabulary (the embedding rows mean its tokens)."""
     recipe = warmup_recipe(args)
-    if recipe["ops"] == "+-*":       # the default was left out of the key when ops was added to it
-        del recipe["ops"]
+    for name, default in (("ops", "+-*"), ("task", "arith"), ("majority", 0.7)):
+        if recipe[name] == default:  # defaults added to the key later are left out of it: cache names stay
+            del recipe[name]
     vocabulary = fingerprint(sorted(tokenizer.get_vocab().items()))        # as run_identity hashes it
     blob = json.dumps(recipe | {"data": task_fingerprint(task), "tokenizer": vocabulary, "version": 2},
                       sort_keys=True)
@@ -99,27 +101,30 @@ def is_complete_warmup(cache: str) -> bool:
 # default settings and task seed 1. A warm-up run on another CPU rounds its sums differently and ends at another
 # model, whose held-out accuracy is anywhere from about 0.18 to 0.32; from these files every machine starts at
 # the same point. Their SHA-256 sums (SHA256SUMS) are checked before they are used.
+# The hidden-type task's (--task hidden-type) is committed likewise, for its preset's settings and task seed 1.
 START_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "start_model")
+HIDDEN_TYPE_START_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "start_model_hidden_type")
 
 
 def committed_start_model(args) -> str | None:
-    """START_MODEL_DIR when the run asks for exactly the warm-up it holds (built-in model and task, the
-    recipe in its recipe.json); None otherwise. A damaged file is refused in one line."""
-    recipe_path = os.path.join(START_MODEL_DIR, "recipe.json")
+    """The committed start model of the run's built-in task when the run asks for exactly the warm-up it
+    holds (built-in model, the recipe in its recipe.json); None otherwise. A damaged file is refused in one line."""
+    directory = START_MODEL_DIR if args.task == "arith" else HIDDEN_TYPE_START_MODEL_DIR
+    recipe_path = os.path.join(directory, "recipe.json")
     if args.model is not None or args.dataset is not None or not os.path.isfile(recipe_path):
         return None
     with open(recipe_path) as f:
         if json.load(f) != warmup_recipe(args):
             return None
-    with open(os.path.join(START_MODEL_DIR, "SHA256SUMS")) as f:
+    with open(os.path.join(directory, "SHA256SUMS")) as f:
         expected = dict(line.split()[::-1] for line in f if line.strip())
     for name, digest in expected.items():
-        path = os.path.join(START_MODEL_DIR, name)
+        path = os.path.join(directory, name)
         found = hashlib.sha256(open(path, "rb").read()).hexdigest() if os.path.isfile(path) else "missing"
         if found != digest:
             fail(f"the committed start model {path} is damaged (SHA-256 {found[:12]}, expected {digest[:12]}); "
-                 "restore it with: git checkout -- tepokit/start_model")
-    return START_MODEL_DIR
+                 f"restore it with: git checkout -- {os.path.relpath(directory)}")
+    return directory
 
 
 def sft_batch(tokenizer, questions, answers, device, max_prompt_tokens: int | None = None):

@@ -22,6 +22,7 @@ import tepo
 from tepokit.errors import fail, first_line
 from tepokit.hub import without_transformers_bars
 from tepokit.stats import accuracy_auc, pearson
+from tepokit.task import HIDDEN_TYPES
 
 
 def seed_everything(seed: int) -> None:
@@ -378,7 +379,7 @@ def truncate_log(path: str, first_step: int) -> None:
 
 
 def run_name(args) -> str:
-    task = "arith" if args.dataset is None else os.path.basename(args.dataset.rstrip("/")).replace(".jsonl", "")
+    task = args.task if args.dataset is None else os.path.basename(args.dataset.rstrip("/")).replace(".jsonl", "")
     return f"{task}__{args.objective}__{args.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
 
 
@@ -408,11 +409,30 @@ def write_summary(run_dir: str, rows: list[dict], args, wall: float) -> dict:
         "entropy_change_position_corr_median": position_corrs[len(position_corrs) // 2] if position_corrs else None,
         "wall_seconds": wall,
     }
+    summary["entropy_start"], summary["entropy_end"] = first_and_last_means(updated, "entropy")
+    if any("forks/entropy" in r for r in updated):     # the hidden-type task (tepokit/forks.py)
+        summary["decision_entropy_start"], summary["decision_entropy_end"] = first_and_last_means(updated,
+                                                                                                  "forks/entropy")
+        summary["strategies_per_group_start"], summary["strategies_per_group_end"] = first_and_last_means(
+            updated, "forks/strategies_per_group")
+        summary |= {"start_" + k[len("eval/"):]: v for k, v in evals[0].items() if "/" in k[len("eval/"):]}
+        summary |= {"final_" + k[len("eval/"):]: v for k, v in evals[-1].items() if "/" in k[len("eval/"):]}
+        summary["format_min"] = min([r["eval/format"] for r in evals] + [r["format/valid"] for r in updated])
     if not math.isfinite(summary["entropy_change_correlation"]):       # null in the file: say why
         summary["entropy_change_correlation_missing"] = "fewer than 3 steps with a finite entropy check"
     write_json(os.path.join(run_dir, "summary.json"), summary)
     print_summary(summary, rows, args, wall)
     return summary
+
+
+def first_and_last_means(rows: list[dict], key: str) -> tuple:
+    """The means of `key` over the first and over the last tenth of the rows (at least 1, at most 10 rows
+    each): one step's value is noisy. (None, None) when no row has it."""
+    values = [r[key] for r in rows if math.isfinite(r.get(key, math.nan))]
+    if not values:
+        return None, None
+    span = max(1, min(10, len(values) // 10))
+    return sum(values[:span]) / span, sum(values[-span:]) / span
 
 
 def accuracy_with_interval(p: float, n: int) -> str:
@@ -424,7 +444,6 @@ def print_summary(summary: dict, rows: list[dict], args, wall: float) -> None:
     """The block that ends a run, to stay on screen: what changed (with the uncertainty that the number of
     held-out problems leaves), where the files are, and what to try next."""
     run_dir, k, n = summary["run_dir"], args.pass_k, args.n_test
-    entropies = [r["entropy"] for r in rows if r["step"] > 0 and math.isfinite(r.get("entropy", math.nan))]
     masks = [r["kl_mask/frac"] for r in rows if math.isfinite(r.get("kl_mask/frac", math.nan))]
     minutes, seconds = divmod(round(wall), 60)
     rows_out = [("held-out accuracy", f"{accuracy_with_interval(summary['start_accuracy'], n)} -> "
@@ -433,12 +452,22 @@ def print_summary(summary: dict, rows: list[dict], args, wall: float) -> None:
                 (f"sampled (T={args.temperature:g})", f"{summary['start_sampled_accuracy']:.3f} -> "
                  f"{summary['final_sampled_accuracy']:.3f};  final pass@{k} {summary[f'final_pass@{k}']:.3f}  "
                  f"({k} samples of each of {min(args.pass_k_problems, n)} problems)")]
-    if entropies:       # means over the first and last tenth of the run: one step's entropy is noisy
-        span = max(1, min(10, len(entropies) // 10))
-        first, last = sum(entropies[:span]) / span, sum(entropies[-span:]) / span
+    updated = [r for r in rows if r["step"] > 0 and math.isfinite(r.get("entropy", math.nan))]
+    if updated:       # means over the first and last tenth of the run: one step's entropy is noisy
+        span = max(1, min(10, len(updated) // 10))
+        first, last = summary["entropy_start"], summary["entropy_end"]
         rows_out.append(("token entropy", f"{first:.3f} -> {last:.3f} nats ({100 * (last / first - 1):+.0f}%; "
                          f"first and last {span} steps); predicted vs measured change per step: "
                          f"r = {summary['entropy_change_correlation']:.2f}"))
+    if summary.get("decision_entropy_start") is not None:       # the hidden-type task
+        first, last = summary["decision_entropy_start"], summary["decision_entropy_end"]
+        rows_out.append(("decision token", f"entropy {first:.3f} -> {last:.3f} nats ({100 * (last / first - 1):+.0f}%)"
+                         f"; strategies per group {summary['strategies_per_group_start']:.2f} -> "
+                         f"{summary['strategies_per_group_end']:.2f}; valid format >= {summary['format_min']:.3f}"))
+        rows_out.append((f"pass@{k} by type", ", ".join(
+            f"{kind} {summary.get(f'start_pass@{k}/{kind}', math.nan):.3f} -> "
+            f"{summary.get(f'final_pass@{k}/{kind}', math.nan):.3f}" for kind in ("add", "mul"))
+            + f"  (start -> end; add is the majority's type)"))
     if masks:
         rows_out.append(("KL mask (TEPO)", f"{100 * sum(masks) / len(masks):.1f}% of tokens on average"))
     rows_out += [("files", f"{run_dir}/ (metrics.jsonl, summary.json, checkpoint.pt, policy/)"),

@@ -69,6 +69,43 @@ def make_arithmetic_task(difficulty: int, n_train: int, n_test: int, seed: int, 
                                  "test": datasets.Dataset.from_list(rows[:n_test])})
 
 
+# The hidden-type task (--task hidden-type): made for entropy collapse (docs/collapse.md). Every question reads
+# the same, "Ann has 7 cups and 3 cups. How many cups?", but each problem has a hidden type: on a share
+# --majority of them the right worked answer adds (7+3=10), on the others it multiplies (7*3=21). Nothing in
+# the question tells which. The warm-up's demonstrations pick the operator by a fair coin, independent of the
+# type, so the start model reads any question either way about half of the time, and the rest of the
+# answer (copying the numbers, the arithmetic, `#### n`) is near-deterministic. The decision sits on one
+# token, the operator.
+HIDDEN_TYPES = {"add": "+", "mul": "*"}     # each type and the operator that solves it, the majority's first
+
+
+def make_hidden_type_task(difficulty: int, n_train: int, n_test: int, seed: int, majority: float = 0.7):
+    """Problems of two hidden types, operands 2..difficulty. Columns: question, answer (the right worked
+    answer: reward and evaluation use it), demonstration (what the warm-up imitates: the operator drawn
+    by a fair coin) and type ("add" on a share `majority` of the problems, "mul" on the others).
+    Questions are unique and the test split shares none with the training split; all fixed by the seed.
+    Returning "+" on every problem scores `majority`, the ceiling of a policy that has collapsed onto it."""
+    import datasets
+    rng = random.Random(f"hidden-type-{seed}-{difficulty}")
+    combos = [(name, item, a, b) for name in NAMES for item in ITEMS
+              for a in range(2, difficulty + 1) for b in range(2, difficulty + 1)]
+    rng.shuffle(combos)
+    rows = []
+    for name, item, a, b in combos[:n_train + n_test]:
+        kind = "add" if rng.random() < majority else "mul"
+        shown = rng.choice(list(HIDDEN_TYPES.values()))          # the warm-up's fair coin
+        rows.append({"question": f"{name} has {a} {item}s and {b} {item}s. How many {item}s?",
+                     "answer": worked_answer(a, HIDDEN_TYPES[kind], b), "demonstration": worked_answer(a, shown, b),
+                     "type": kind})
+    return datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[n_test:]),
+                                 "test": datasets.Dataset.from_list(rows[:n_test])})
+
+
+def hidden_type_task_size(difficulty: int) -> int:
+    """How many distinct problems make_hidden_type_task can draw at this difficulty."""
+    return len(NAMES) * len(ITEMS) * max(0, difficulty - 1) ** 2
+
+
 def worked_answer(a: int, op: str, b: int) -> str:
     c = a + b if op == "+" else a - b if op == "-" else a * b
     return f"{a}{op}{b}={c}\n#### {c}"
@@ -82,7 +119,9 @@ def task_seed(args) -> int:
 
 def load_task(args):
     """A DatasetDict with train/test splits of question/answer records, checked by validate_task."""
-    if args.dataset is None:
+    if args.dataset is None and args.task == "hidden-type":
+        task = make_hidden_type_task(args.difficulty, args.n_train, args.n_test, task_seed(args), args.majority)
+    elif args.dataset is None:
         task = make_arithmetic_task(args.difficulty, args.n_train, args.n_test, task_seed(args), args.ops,
                                     args.sft_noise)
     else:

@@ -227,3 +227,27 @@ def test_resume_args_keeps_saved_settings_and_takes_run_only_fields():
     args, overrides = resume_args(cli, {}, {"resume", "threads", "steps", "lr"}, saved, checkpoint_step=7)
     assert (args.objective, args.lr, args.threads, args.steps, args.out, args.resume) == ("grpo", 3e-4, 1, 20, "r", "r")
     assert overrides == {"beta": 0.1}
+
+
+def test_hidden_type_task_is_a_preset_recorded_in_the_args_with_its_own_demo():
+    """--task hidden-type sets its preset (and only that), takes its committed start model, and flags win;
+    --demo with it is the short classroom run of that task."""
+    from tepokit.cli import DEMO_HIDDEN_TYPE, TASKS
+    from tepokit.model import HIDDEN_TYPE_START_MODEL_DIR
+    preset = TASKS["hidden-type"]
+    args = parse_args(ts.Args, ["--task", "hidden-type", "--seed", "3"])[0]
+    assert {k: getattr(args, k) for k in preset} == preset and args.task == "hidden-type"
+    assert dataclasses.replace(args, **{k: getattr(ts.Args, k) for k in preset}, task="arith") == ts.Args(seed=3)
+    assert committed_start_model(args) == HIDDEN_TYPE_START_MODEL_DIR
+    assert parse_args(ts.Args, ["--task", "hidden-type", "--steps", "7"])[0].steps == 7
+    demo = parse_args(ts.Args, ["--task", "hidden-type", "--demo"])[0]
+    assert {k: getattr(demo, k) for k in DEMO_HIDDEN_TYPE} == DEMO_HIDDEN_TYPE
+    assert demo.difficulty == preset["difficulty"]
+    assert committed_start_model(demo) == HIDDEN_TYPE_START_MODEL_DIR
+    assert committed_start_model(dataclasses.replace(args, majority=0.6)) is None
+
+
+def test_entropy_coef_is_refused_with_the_trl_engine_before_anything_is_created(tmp_path):
+    assert_refused_in_one_line(["--engine", "trl", "--entropy-coef", "0.1", "--out", str(tmp_path / "run")],
+                               "--entropy-coef", "--engine tepo")
+    assert not (tmp_path / "run").exists()

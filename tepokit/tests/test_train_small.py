@@ -250,3 +250,58 @@ def test_evaluations_and_the_result_stay_on_screen_and_a_resumed_bar_counts_from
     run_main(["--resume", "runs/screen", "--steps", "3"])
     err = capsys.readouterr().err
     assert re.search(r"tepo seed 1:\s+67%\|[^|]*\| 2/3", err) and not re.search(r"tepo seed 1:\s+0%", err), err[-500:]
+
+
+@pytest.mark.parametrize("objective, overrides", [("grpo", dict(beta=0.0)), ("tepo", {})])
+def test_entropy_coef_adds_the_bonus_to_the_objectives_loss_and_gradient(objective, overrides):
+    """--entropy-coef c: the micro-batch loss is the objective's plus tepo.entropy_bonus of the same logits
+    (value to 1e-12 in float64); the gradient changes by the bonus's own gradient."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+    config = GPT2Config(vocab_size=23, n_embd=16, n_layer=1, n_head=2, n_positions=32, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).double().eval()
+    batch = hand_batch(23, rows=8, prompt=5, completion=6)
+    adv = torch.randn(8, dtype=F64)
+    args = ts.Args(group_size=4, prompts_per_step=2, mini_batches=1, max_new_tokens=6, temperature=0.9)
+    rows = torch.arange(8)
+    losses, grads = [], []
+    for coef in (0.0, 0.7):
+        run = micro_run(model, None, args, objective, entropy_coef=coef, **overrides)
+        plan = ts.minibatch_plan(torch.ones(8, dtype=torch.bool), args)
+        stats = ts.rollout_statistics(run, batch, adv, plan)
+        counts = dict(num_tokens=batch["completion_mask"].sum().item(), num_seqs=8.0)
+        model.zero_grad(set_to_none=True)
+        loss, _, _ = ts.micro_batch_loss(run, batch, stats, adv, rows, counts)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    run.cfg = tepo.config_for(objective, entropy_coef=0.7, **overrides)
+    from tepokit.forward import completion_logits
+    model.zero_grad(set_to_none=True)
+    bonus = tepo.entropy_bonus(completion_logits(model, batch, rows, args), batch["completion_mask"], run.cfg,
+                               args.temperature, **counts)
+    bonus.backward()
+    assert bonus.item() < 0
+    assert_close(losses[1], losses[0] + bonus.detach(), atol=1e-12)
+    assert_close(grads[1], grads[0] + torch.cat([p.grad.flatten() for p in model.parameters()]), atol=1e-10)
+
+
+def test_hidden_type_task_logs_its_forks_and_summarises_the_collapse(workdir):
+    """A micro run of --task hidden-type: every step logs the decision-token metrics, every evaluation the
+    results of each type, and summary.json the decision-token entropy at the start and end."""
+    out = "runs/e2e_hidden_type"
+    run_main([*MICRO, "--task", "hidden-type", "--difficulty", "3", "--n-train", "60", "--objective", "grpo",
+              "--steps", "2", "--pass-k", "2", "--out", out])
+    rows = read_rows(out)
+    assert json.load(open(os.path.join(out, "config.json")))["args"]["task"] == "hidden-type"
+    for r in rows[1:]:
+        for key in ("forks/entropy", "forks/entropy_rest", "forks/strategies_per_group", "forks/majority_share",
+                    "entropy/top20", "format/valid"):
+            assert key in r, key
+        assert 1 <= r["forks/strategies_per_group"] <= 2 or math.isnan(r["forks/entropy"])
+    for key in ("eval/accuracy/add", "eval/pass@2/add", "eval/format"):
+        assert key in rows[0] and key in rows[-1], key
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert {"decision_entropy_start", "decision_entropy_end", "start_pass@2/add", "final_pass@2/add",
+            "format_min"} <= set(summary)

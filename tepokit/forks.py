@@ -1,0 +1,107 @@
+"""Where entropy collapse shows: the decision tokens of a rollout, and the hidden-type task's strategies.
+
+Most tokens of a worked answer are near-deterministic (copying a number, `####`); a few "forking" tokens
+carry the decisions (Wang et al., arXiv 2506.01939). A mean over all tokens dilutes what happens at them,
+so a collapse at the forks can hide under a mean entropy that barely moves. Two views of the forks:
+
+  - any task: the mean entropy of the top 20% of a rollout's tokens by entropy (Wang et al.'s forks);
+  - the hidden-type task (tepokit/task.py): its known decision token, the operator each completion chose
+    (its strategy), the entropy there, the number of distinct strategies in each group, and the
+    accuracy of each hidden type.
+
+And the sign that tells a collapse from a policy that breaks: the share of completions in the valid
+`#### n` format stays near 1 in a collapse and falls when the policy breaks (docs/collapse.md).
+The built-in tokenizer has one token per character, so a character's index in a completion's text is
+its token's position: the decision positions are read from the texts (built-in model only).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import tepo
+from tepokit.stats import pass_at_k, pass_k_values
+from tepokit.task import HIDDEN_TYPES, parse_strict
+
+TOP_FRACTION = 0.2      # Wang et al.'s share of forking tokens
+
+
+def valid_format(texts: list[str]) -> torch.Tensor:
+    """1.0 where a completion ends in a readable `#### n` (right or wrong), else 0.0.        -> [B]"""
+    return torch.tensor([float(parse_strict(t) is not None) for t in texts])
+
+
+def top_entropy_mean(entropy: torch.Tensor, mask: torch.Tensor, fraction: float = TOP_FRACTION) -> float:
+    """Mean entropy of the top `fraction` of valid tokens by entropy.                   [B, T], [B, T] -> float"""
+    values = entropy[mask.bool()]
+    if values.numel() == 0:
+        return float("nan")
+    k = max(1, round(fraction * values.numel()))
+    return values.float().topk(k).values.mean().item()
+
+
+def strategy_of(text: str) -> str | None:
+    """The hidden-type task's strategy of a completion: its first operator, e.g. "7+3=10" -> "add"."""
+    positions = {kind: text.find(op) for kind, op in HIDDEN_TYPES.items() if op in text}
+    return min(positions, key=positions.get) if positions else None
+
+
+def decision_mask(texts: list[str], shape: tuple, device) -> torch.Tensor:
+    """1 at each completion's decision token (its first operator; character tokenizer), else 0.   -> [B, T]"""
+    mask = torch.zeros(shape, dtype=torch.long, device=device)
+    for row, text in enumerate(texts):
+        found = [text.find(op) for op in HIDDEN_TYPES.values() if op in text]
+        if found and min(found) < shape[1]:
+            mask[row, min(found)] = 1
+    return mask
+
+
+def rollout_fork_metrics(texts: list[str], types: list[str] | None, entropy: torch.Tensor, logp: torch.Tensor,
+                         adv: torch.Tensor, mask: torch.Tensor, correct: torch.Tensor, group_size: int) -> dict:
+    """One rollout's forks. entropy, logp [B, T] (the rollout policy's), adv [B], mask [B, T], correct [B].
+
+      entropy/top20              mean entropy of the top 20% of tokens by entropy (any task)
+      format/valid               share of completions with a readable `#### n` (any task)
+    The hidden-type task (types given), at the decision token (the operator):
+      forks/entropy              mean entropy there; forks/entropy_rest: at every other valid token
+      forks/cov_logp_adv         Cov(log pi, A) over the decision tokens (Cui et al.: > 0 lowers entropy)
+      forks/strategies_per_group distinct strategies among a group's completions (1: the group agrees)
+      forks/majority_share       share of completions that chose the majority's strategy
+      accuracy/<type>            the rollout's accuracy on the problems of each hidden type
+    """
+    row = {"entropy/top20": top_entropy_mean(entropy, mask), "format/valid": valid_format(texts).mean().item()}
+    if types is None:
+        return row
+    at_fork = decision_mask(texts, mask.shape, mask.device) * mask
+    rest = mask * (1 - at_fork)
+    strategies = [strategy_of(t) for t in texts]
+    groups = [strategies[i:i + group_size] for i in range(0, len(strategies), group_size)]
+    row |= {"forks/entropy": tepo.masked_mean(entropy, at_fork.bool()).item(),
+            "forks/entropy_rest": tepo.masked_mean(entropy, rest.bool()).item(),
+            "forks/cov_logp_adv": tepo.masked_mean(tepo.token_covariance(logp, adv.to(logp.device), at_fork),
+                                                   at_fork.bool()).item(),
+            "forks/strategies_per_group": sum(len({s for s in g if s}) for g in groups) / len(groups),
+            "forks/majority_share": sum(s == next(iter(HIDDEN_TYPES)) for s in strategies) / len(strategies)}
+    for kind in HIDDEN_TYPES:
+        rows = [i for i, t in enumerate(types) if t == kind]
+        if rows:
+            row[f"accuracy/{kind}"] = correct[rows].mean().item()
+    return row
+
+
+def eval_by_type(greedy: torch.Tensor, right: torch.Tensor, sampled_texts: list[str], types: list[str],
+                 pass_k: int) -> dict:
+    """Held-out results of each hidden type: greedy accuracy [N], pass@k and mean@k from the K samples of the
+    first problems (right [problems, K]), and the valid-format share of those samples."""
+    row = {"eval/format": valid_format(sampled_texts).mean().item()}
+    for kind in HIDDEN_TYPES:
+        greedy_rows = [i for i, t in enumerate(types) if t == kind]
+        sampled_rows = [i for i in greedy_rows if i < right.shape[0]]
+        if greedy_rows:
+            row[f"eval/accuracy/{kind}"] = greedy[greedy_rows].mean().item()
+        if sampled_rows:
+            n_right = right[sampled_rows].sum(1).long().tolist()
+            row |= {f"eval/pass@{k}/{kind}": sum(pass_at_k(pass_k, c, k) for c in n_right) / len(n_right)
+                    for k in pass_k_values(pass_k)}
+            row[f"eval/mean@{pass_k}/{kind}"] = right[sampled_rows].mean().item()
+    return row
