@@ -25,6 +25,8 @@ Read it top to bottom:
         7. measure                 entropy change predicted vs measured                     (entropy_check)
   5. evaluate         held-out accuracy (greedy) and pass@k
   6. the loop         train: start or resume a run, then step, evaluate, log and checkpoint
+A second built-in task, `--task hidden-type`, is made for entropy collapse: two hidden types of problem, 70/30,
+each solved by its own operator, so GRPO collapses onto the majority's (tepokit/task.py, docs/collapse.md).
 The parts a reader can skip (the command line, the built-in task and models, the sampler, memory,
 the run directory, statistics, --compare, --bench, --engine trl) live in tepokit/, one concern per module.
 The logged metrics are defined in docs/metrics.md.
@@ -40,6 +42,7 @@ Simplifications, said plainly:
 Usage:
   python train_small.py                                   # built-in task and model, TEPO, seed 1
   python train_small.py --demo                            # the two-minute classroom run (80 steps)
+  python train_small.py --task hidden-type --objective grpo --beta 0   # entropy collapse, on a task made for it
   python train_small.py --objective grpo --seed 2         # any key of tepo.OBJECTIVES
   python train_small.py --objective dapo --eps-high 0.3   # any field of tepo.ObjectiveConfig
   python train_small.py --compare grpo,dapo,tepo --seeds 3  # summary.md / summary.json table

@@ -90,7 +90,10 @@ COLORS = dict(zip(OBJECTIVES + ["tepo_beta0"],      # tab10 without its grey, wh
 LABELS["tepo_beta=0"], COLORS["tepo_beta=0"] = LABELS["tepo_beta0"], COLORS["tepo_beta0"]
 LABELS |= {"grpo_beta=0": "GRPO, beta = 0",
            "tepo_entropy_criterion=measured": "TEPO, measured", "dapo_dynamic_sampling=off": "DAPO, no dyn. sampling",
-           "clip_cov_clip_cov_ratio=0.01": "Clip-Cov, ratio 0.01", "kl_cov_kl_cov_ratio=0.1": "KL-Cov, ratio 0.1"}
+           "clip_cov_clip_cov_ratio=0.01": "Clip-Cov, ratio 0.01", "kl_cov_kl_cov_ratio=0.1": "KL-Cov, ratio 0.1",
+           # the hidden-type comparison (entropy_collapse.ipynb): its baseline is GRPO without a KL term
+           "grpo_beta=0_eps_high=0.28": "clip-higher 0.28", "grpo_beta=0_entropy_coef=0.1": "entropy bonus 0.1",
+           "grpo_beta=0_entropy_coef=1.0": "entropy bonus 1.0"}
 COLORS |= {"grpo_beta=0": plt.cm.tab20.colors[1], "tepo_entropy_criterion=measured": plt.cm.tab20.colors[9],
            "dapo_dynamic_sampling=off": plt.cm.tab20.colors[5],
            "clip_cov_clip_cov_ratio=0.01": COLORS["clip_cov"], "kl_cov_kl_cov_ratio=0.1": COLORS["kl_cov"]}

@@ -40,19 +40,26 @@ def top_entropy_mean(entropy: torch.Tensor, mask: torch.Tensor, fraction: float 
     return values.float().topk(k).values.mean().item()
 
 
+def decision(text: str) -> tuple[int, str] | None:
+    """Where a completion of the hidden-type task decides, and what: (the position of its first operator, the
+    type that operator solves), e.g. "7+3=10" -> (1, "add"); None when it has no operator."""
+    found = [(text.find(op), kind) for kind, op in HIDDEN_TYPES.items() if op in text]
+    return min(found) if found else None
+
+
 def strategy_of(text: str) -> str | None:
-    """The hidden-type task's strategy of a completion: its first operator, e.g. "7+3=10" -> "add"."""
-    positions = {kind: text.find(op) for kind, op in HIDDEN_TYPES.items() if op in text}
-    return min(positions, key=positions.get) if positions else None
+    """The hidden-type task's strategy of a completion: the type its first operator solves ("add" or "mul")."""
+    found = decision(text)
+    return found[1] if found else None
 
 
 def decision_mask(texts: list[str], shape: tuple, device) -> torch.Tensor:
     """1 at each completion's decision token (its first operator; character tokenizer), else 0.   -> [B, T]"""
     mask = torch.zeros(shape, dtype=torch.long, device=device)
     for row, text in enumerate(texts):
-        found = [text.find(op) for op in HIDDEN_TYPES.values() if op in text]
-        if found and min(found) < shape[1]:
-            mask[row, min(found)] = 1
+        found = decision(text)
+        if found and found[0] < shape[1]:
+            mask[row, found[0]] = 1
     return mask
 
 

@@ -54,6 +54,7 @@ EXAMPLES = """examples:
   python train_small.py                                  # the built-in task and model, TEPO, seed 1 (minutes on a CPU)
   python train_small.py --demo                           # the two-minute classroom run (80 steps)
   python train_small.py --objective grpo --seed 2        # another objective, another seed
+  python train_small.py --task hidden-type --objective grpo --beta 0   # entropy collapse, on a task made for it
   python train_small.py --objective dapo --eps-high 0.3  # an objective setting of your own
   python train_small.py --compare grpo,tepo --seeds 3    # two objectives on the same seeds, paired by seed
   python -m tepokit.plot runs/<run>                      # a run's figures, as PNG files in runs/<run>/figures/

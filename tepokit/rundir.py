@@ -417,7 +417,9 @@ def write_summary(run_dir: str, rows: list[dict], args, wall: float) -> dict:
             updated, "forks/strategies_per_group")
         summary |= {"start_" + k[len("eval/"):]: v for k, v in evals[0].items() if "/" in k[len("eval/"):]}
         summary |= {"final_" + k[len("eval/"):]: v for k, v in evals[-1].items() if "/" in k[len("eval/"):]}
-        summary["format_min"] = min([r["eval/format"] for r in evals] + [r["format/valid"] for r in updated])
+        formats = [r["format/valid"] for r in updated]     # one rollout: 128 samples; one evaluation: 1,600
+        summary |= {"format_eval_min": min(r["eval/format"] for r in evals), "format_rollout_min": min(formats),
+                    "format_rollout_mean": sum(formats) / len(formats)}
     if not math.isfinite(summary["entropy_change_correlation"]):       # null in the file: say why
         summary["entropy_change_correlation_missing"] = "fewer than 3 steps with a finite entropy check"
     write_json(os.path.join(run_dir, "summary.json"), summary)
@@ -463,7 +465,8 @@ def print_summary(summary: dict, rows: list[dict], args, wall: float) -> None:
         first, last = summary["decision_entropy_start"], summary["decision_entropy_end"]
         rows_out.append(("decision token", f"entropy {first:.3f} -> {last:.3f} nats ({100 * (last / first - 1):+.0f}%)"
                          f"; strategies per group {summary['strategies_per_group_start']:.2f} -> "
-                         f"{summary['strategies_per_group_end']:.2f}; valid format >= {summary['format_min']:.3f}"))
+                         f"{summary['strategies_per_group_end']:.2f}; valid format >= {summary['format_eval_min']:.3f} "
+                         "(held-out samples)"))
         rows_out.append((f"pass@{k} by type", ", ".join(
             f"{kind} {summary.get(f'start_pass@{k}/{kind}', math.nan):.3f} -> "
             f"{summary.get(f'final_pass@{k}/{kind}', math.nan):.3f}" for kind in ("add", "mul"))

@@ -139,3 +139,17 @@ def test_reference_log_commands_are_valid_and_name_the_committed_runs():
         parse_args(ts.Args, cmd[2:])                                         # exits (status 2) on a bad flag value
         for _, name in nbhelpers.run_dirs_of(cmd):
             assert (nbhelpers.NB_DIR / "logs" / name / "metrics.jsonl").is_file(), f"{name}: not committed"
+
+
+def test_entropy_collapse_notebook_reads_a_hidden_type_run_of_ones_own(workdir):
+    """entropy_collapse.ipynb with RUN_DIR = a --task hidden-type run: that run is its baseline (sections 1 to 4
+    draw it), the remedies' section says it needs more entries, and the figures go to RUN_DIR/figures/."""
+    run_main([*MICRO, "--task", "hidden-type", "--difficulty", "3", "--objective", "grpo", "--beta", "0",
+              "--steps", "6", "--eval-every", "3", "--out", "own_hidden_type"])
+    before = figures_state()
+    text = printed(executed(Path(REPO) / "notebooks" / "entropy_collapse.ipynb", str(workdir / "own_hidden_type")))
+    assert figures_state() == before
+    assert "reading the logs in <RUN_DIR: own_hidden_type>/" in text and "6 of 6 steps, finished" in text
+    assert "ceiling -a + b" in text and "the remedies need the baseline and at least one other entry" in text
+    saved = re.findall(r"saved (.+?) \(\d+ KB\)", text)
+    assert saved and all(path.startswith("<RUN_DIR: own_hidden_type>/figures/") for path in saved), saved

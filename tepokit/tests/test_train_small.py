@@ -304,4 +304,4 @@ def test_hidden_type_task_logs_its_forks_and_summarises_the_collapse(workdir):
         assert key in rows[0] and key in rows[-1], key
     summary = json.load(open(os.path.join(out, "summary.json")))
     assert {"decision_entropy_start", "decision_entropy_end", "start_pass@2/add", "final_pass@2/add",
-            "format_min"} <= set(summary)
+            "format_eval_min", "format_rollout_min", "format_rollout_mean"} <= set(summary)
