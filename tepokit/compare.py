@@ -87,8 +87,8 @@ def objective_table(table: dict, args) -> list[str]:
 def paired_metrics(pass_k: int, task: str = "arith") -> list[tuple]:
     """What --compare pairs by seed: (key of a run's summary.json, label, factor to the unit shown, format).
     Accuracies and their gains in points (x 100). The hidden-type task adds what tells a collapse: the
-    entropy at the decision token and over all tokens (means of the last tenth of the run) and the
-    minority type's sampled accuracy and pass@k."""
+    entropy at the decision token and over all tokens at the end (means of the last tenth of the run, at
+    most 10 steps) and the minority type's sampled accuracy and pass@k."""
     common = [("gain_points", "final held-out accuracy gain (points)", 1, "+.1f"),
               ("accuracy_auc", "held-out accuracy averaged over the run (points)", 100, "+.1f"),
               ("final_sampled_accuracy", "final sampled accuracy = pass@1 (points)", 100, "+.1f"),
@@ -97,8 +97,8 @@ def paired_metrics(pass_k: int, task: str = "arith") -> list[tuple]:
               ("final_entropy", "final entropy (nats)", 1, "+.3f")]
     if task != "hidden-type":
         return common
-    return common + [("decision_entropy_end", "decision-token entropy, last tenth (nats)", 1, "+.3f"),
-                     ("entropy_end", "mean token entropy, last tenth (nats)", 1, "+.3f"),
+    return common + [("decision_entropy_end", "decision-token entropy at the end (nats)", 1, "+.3f"),
+                     ("entropy_end", "mean token entropy at the end (nats)", 1, "+.3f"),
                      (f"final_mean@{pass_k}/mul", "minority type's final sampled accuracy (points)", 100, "+.1f"),
                      (f"final_pass@{pass_k}/mul", f"minority type's final pass@{pass_k} (points)", 100, "+.1f")]
 

@@ -473,10 +473,15 @@ def print_summary(summary: dict, rows: list[dict], args, wall: float) -> None:
             + f"  (start -> end; add is the majority's type)"))
     if masks:
         rows_out.append(("KL mask (TEPO)", f"{100 * sum(masks) / len(masks):.1f}% of tokens on average"))
+    compare, notebook = "--compare grpo,tepo --seeds 3", "entropy_dynamics"
+    if args.dataset is None and args.task == "hidden-type":
+        compare = ("--task hidden-type --compare grpo:beta=0,clip_cov:clip_cov_ratio=0.01 --baseline grpo:beta=0 "
+                   "--seeds 3")
+        notebook = "entropy_collapse"
     rows_out += [("files", f"{run_dir}/ (metrics.jsonl, summary.json, checkpoint.pt, policy/)"),
                  ("next", f"python -m tepokit.plot {run_dir}   # the run's figures, as PNG files in its figures/"),
-                 ("", "python train_small.py --compare grpo,tepo --seeds 3   # two objectives, paired by seed"),
-                 ("", f"jupyter lab notebooks/entropy_dynamics.ipynb   # set RUN_DIR = \"{run_dir}\" in it")]
+                 ("", f"python train_small.py {compare}   # two objectives, paired by seed"),
+                 ("", f"jupyter lab notebooks/{notebook}.ipynb   # set RUN_DIR = \"{run_dir}\" in it")]
     took = f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
     lines = [f"done: {args.objective}, seed {args.seed}, {rows[-1]['step']} RL steps in {took}"]
     lines += [f"  {label:<20} {text}" for label, text in rows_out]
