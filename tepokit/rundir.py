@@ -467,10 +467,10 @@ def print_summary(summary: dict, rows: list[dict], args, wall: float) -> None:
                          f"; strategies per group {summary['strategies_per_group_start']:.2f} -> "
                          f"{summary['strategies_per_group_end']:.2f}; valid format >= {summary['format_eval_min']:.3f} "
                          "(held-out samples)"))
+        kinds = [kind for kind in HIDDEN_TYPES if f"final_pass@{k}/{kind}" in summary]   # types among the problems
         rows_out.append((f"pass@{k} by type", ", ".join(
-            f"{kind} {summary.get(f'start_pass@{k}/{kind}', math.nan):.3f} -> "
-            f"{summary.get(f'final_pass@{k}/{kind}', math.nan):.3f}" for kind in ("add", "mul"))
-            + f"  (start -> end; add is the majority's type)"))
+            f"{kind} {summary[f'start_pass@{k}/{kind}']:.3f} -> {summary[f'final_pass@{k}/{kind}']:.3f}"
+            for kind in kinds) + "  (start -> end; add is the majority's type)"))
     if masks:
         rows_out.append(("KL mask (TEPO)", f"{100 * sum(masks) / len(masks):.1f}% of tokens on average"))
     compare, notebook = "--compare grpo,tepo --seeds 3", "entropy_dynamics"
