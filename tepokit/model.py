@@ -80,7 +80,7 @@ def warmup_cache_dir(args, task, tokenizer) -> str:
     and the tokenizer's vocabulary (the embedding rows mean its tokens)."""
     recipe = warmup_recipe(args)
     for name, default in (("ops", "+-*"), ("task", "arith"), ("majority", 0.7)):
-        if recipe[name] == default:  # defaults added to the key later are left out of it: cache names stay
+        if recipe[name] == default:  # a default is left out of the key: the default task's entries keep their names
             del recipe[name]
     vocabulary = fingerprint(sorted(tokenizer.get_vocab().items()))        # as run_identity hashes it
     blob = json.dumps(recipe | {"data": task_fingerprint(task), "tokenizer": vocabulary, "version": 2},

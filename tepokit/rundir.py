@@ -409,15 +409,16 @@ def write_summary(run_dir: str, rows: list[dict], args, wall: float) -> dict:
         "entropy_change_position_corr_median": position_corrs[len(position_corrs) // 2] if position_corrs else None,
         "wall_seconds": wall,
     }
-    summary["entropy_start"], summary["entropy_end"] = first_and_last_means(updated, "entropy")
-    if any("forks/entropy" in r for r in updated):     # the hidden-type task (tepokit/forks.py)
-        summary["decision_entropy_start"], summary["decision_entropy_end"] = first_and_last_means(updated,
+    rollouts = [r for r in rows if r["step"] > 0]      # every rollout, also those DAPO's filter left without update
+    summary["entropy_start"], summary["entropy_end"] = first_and_last_means(rollouts, "entropy")
+    if any("forks/entropy" in r for r in rollouts):     # the hidden-type task (tepokit/forks.py)
+        summary["decision_entropy_start"], summary["decision_entropy_end"] = first_and_last_means(rollouts,
                                                                                                   "forks/entropy")
         summary["strategies_per_group_start"], summary["strategies_per_group_end"] = first_and_last_means(
-            updated, "forks/strategies_per_group")
+            rollouts, "forks/strategies_per_group")
         summary |= {"start_" + k[len("eval/"):]: v for k, v in evals[0].items() if "/" in k[len("eval/"):]}
         summary |= {"final_" + k[len("eval/"):]: v for k, v in evals[-1].items() if "/" in k[len("eval/"):]}
-        formats = [r["format/valid"] for r in updated]     # one rollout: 128 samples; one evaluation: 1,600
+        formats = [r["format/valid"] for r in rollouts]     # one rollout: 128 samples; one evaluation: 1,600
         summary |= {"format_eval_min": min(r["eval/format"] for r in evals), "format_rollout_min": min(formats),
                     "format_rollout_mean": sum(formats) / len(formats)}
     if not math.isfinite(summary["entropy_change_correlation"]):       # null in the file: say why
@@ -454,9 +455,9 @@ def print_summary(summary: dict, rows: list[dict], args, wall: float) -> None:
                 (f"sampled (T={args.temperature:g})", f"{summary['start_sampled_accuracy']:.3f} -> "
                  f"{summary['final_sampled_accuracy']:.3f};  final pass@{k} {summary[f'final_pass@{k}']:.3f}  "
                  f"({k} samples of each of {min(args.pass_k_problems, n)} problems)")]
-    updated = [r for r in rows if r["step"] > 0 and math.isfinite(r.get("entropy", math.nan))]
-    if updated:       # means over the first and last tenth of the run: one step's entropy is noisy
-        span = max(1, min(10, len(updated) // 10))
+    measured = [r for r in rows if r["step"] > 0 and math.isfinite(r.get("entropy", math.nan))]
+    if measured:       # means over the first and last tenth of the run: one step's entropy is noisy
+        span = max(1, min(10, len(measured) // 10))
         first, last = summary["entropy_start"], summary["entropy_end"]
         rows_out.append(("token entropy", f"{first:.3f} -> {last:.3f} nats ({100 * (last / first - 1):+.0f}%; "
                          f"first and last {span} steps); predicted vs measured change per step: "

@@ -116,6 +116,15 @@ def test_resume_reproduces_the_uninterrupted_run(workdir):
     assert read_details("runs/cut") == read_details("runs/full")
 
 
+def float64_gpt2(vocab: int):
+    """A one-layer GPT-2 of width 16 in float64, dropout off, its weights drawn under seed 0."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+    config = GPT2Config(vocab_size=vocab, n_embd=16, n_layer=1, n_head=2, n_positions=32, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).double().eval()
+
+
 @pytest.mark.parametrize("objective, overrides", [
     ("grpo", dict(beta=0.04)), ("dapo", {}), ("dr_grpo", {}), ("gspo", dict(eps_low=0.05, eps_high=0.05)),
     ("gspo_token", {}), ("ppo", dict(dual_clip_c=3.0)), ("mpo", {}),
@@ -124,11 +133,7 @@ def test_micro_batches_accumulate_to_the_same_optimizer_steps(objective, overrid
     """Two optimizer steps (mini-batches of 8 rows) with micro-batches of 2 rows equal the steps
     without micro-batches: parameters to 1e-6 (float64, plain SGD), losses and rollout statistics too.
     (Clip-Cov, KL-Cov and TEPO's cov criterion select by batch statistics per micro-batch.)"""
-    from transformers import AutoModelForCausalLM, GPT2Config
-    config = GPT2Config(vocab_size=23, n_embd=16, n_layer=1, n_head=2, n_positions=32, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0)
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_config(config).double().eval()
+    base = float64_gpt2(vocab=23)
     batch = hand_batch(23, rows=16, prompt=5, completion=6)
     adv = torch.randn(16, dtype=F64)
     keep = torch.ones(16, dtype=torch.bool)
@@ -256,11 +261,7 @@ def test_evaluations_and_the_result_stay_on_screen_and_a_resumed_bar_counts_from
 def test_entropy_coef_adds_the_bonus_to_the_objectives_loss_and_gradient(objective, overrides):
     """--entropy-coef c: the micro-batch loss is the objective's plus tepo.entropy_bonus of the same logits
     (value to 1e-12 in float64); the gradient changes by the bonus's own gradient."""
-    from transformers import AutoModelForCausalLM, GPT2Config
-    config = GPT2Config(vocab_size=23, n_embd=16, n_layer=1, n_head=2, n_positions=32, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).double().eval()
+    model = float64_gpt2(vocab=23)
     batch = hand_batch(23, rows=8, prompt=5, completion=6)
     adv = torch.randn(8, dtype=F64)
     args = ts.Args(group_size=4, prompts_per_step=2, mini_batches=1, max_new_tokens=6, temperature=0.9)
