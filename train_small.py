@@ -271,7 +271,8 @@ def rl_step(run: Run, step: int) -> tuple[dict, dict | None]:
     types = [t for t in records["type"] for _ in range(args.group_size)] if "type" in records.column_names else None
     row = {"step": step, **rollout_metrics(batch, scored, keep, stats, args),
            **rollout_fork_metrics(texts, types, stats["entropy"], stats["old_logp"], adv, batch["completion_mask"],
-                                  scored["strict"], args.group_size), **losses,
+                                  scored["strict"], args.group_size, one_token_per_character=args.model is None),
+           **losses,
            **({"entropy_change/predicted": check[0], "entropy_change/measured": check[1],
                "entropy_change/position_corr": check[2]} if checked or not plan else {}),
            **clock.row(), "perf/tokens_per_second": batch["completion_mask"].sum().item() / clock.total()}

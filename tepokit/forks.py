@@ -64,8 +64,11 @@ def decision_mask(texts: list[str], shape: tuple, device) -> torch.Tensor:
 
 
 def rollout_fork_metrics(texts: list[str], types: list[str] | None, entropy: torch.Tensor, logp: torch.Tensor,
-                         adv: torch.Tensor, mask: torch.Tensor, correct: torch.Tensor, group_size: int) -> dict:
+                         adv: torch.Tensor, mask: torch.Tensor, correct: torch.Tensor, group_size: int,
+                         one_token_per_character: bool = True) -> dict:
     """One rollout's forks. entropy, logp [B, T] (the rollout policy's), adv [B], mask [B, T], correct [B].
+    The decision token's position is read from the text, so its metrics need one token per character (the
+    built-in tokenizer); with another tokenizer (--model) they are left out.
 
       entropy/top20              mean entropy of the top 20% of tokens by entropy (any task)
       format/valid               share of completions with a readable `#### n` (any task)
@@ -79,16 +82,17 @@ def rollout_fork_metrics(texts: list[str], types: list[str] | None, entropy: tor
     row = {"entropy/top20": top_entropy_mean(entropy, mask), "format/valid": valid_format(texts).mean().item()}
     if types is None:
         return row
-    at_fork = decision_mask(texts, mask.shape, mask.device) * mask
-    rest = mask * (1 - at_fork)
     strategies = [strategy_of(t) for t in texts]
     groups = [strategies[i:i + group_size] for i in range(0, len(strategies), group_size)]
-    row |= {"forks/entropy": tepo.masked_mean(entropy, at_fork.bool()).item(),
-            "forks/entropy_rest": tepo.masked_mean(entropy, rest.bool()).item(),
-            "forks/cov_logp_adv": tepo.masked_mean(tepo.token_covariance(logp, adv.to(logp.device), at_fork),
-                                                   at_fork.bool()).item(),
-            "forks/strategies_per_group": sum(len({s for s in g if s}) for g in groups) / len(groups),
+    row |= {"forks/strategies_per_group": sum(len({s for s in g if s}) for g in groups) / len(groups),
             "forks/majority_share": sum(s == next(iter(HIDDEN_TYPES)) for s in strategies) / len(strategies)}
+    if one_token_per_character:
+        at_fork = decision_mask(texts, mask.shape, mask.device) * mask
+        rest = mask * (1 - at_fork)
+        row |= {"forks/entropy": tepo.masked_mean(entropy, at_fork.bool()).item(),
+                "forks/entropy_rest": tepo.masked_mean(entropy, rest.bool()).item(),
+                "forks/cov_logp_adv": tepo.masked_mean(tepo.token_covariance(logp, adv.to(logp.device), at_fork),
+                                                       at_fork.bool()).item()}
     for kind in HIDDEN_TYPES:
         rows = [i for i, t in enumerate(types) if t == kind]
         if rows:

@@ -75,6 +75,9 @@ def test_rollout_fork_metrics_by_hand():
     x, a = logp[:, 1], adv.double()                                # Cov over the 4 decision tokens, by hand
     assert row["forks/cov_logp_adv"] == pytest.approx(((x - x.mean()) * (a - a.mean())).mean().item())
     assert "forks/entropy" not in rollout_fork_metrics(texts, None, entropy, logp, adv, mask, correct, 2)
+    other_tokenizer = rollout_fork_metrics(texts, types, entropy, logp, adv, mask, correct, 2,
+                                           one_token_per_character=False)
+    assert "forks/entropy" not in other_tokenizer and other_tokenizer["forks/strategies_per_group"] == 1.5
 
 
 def test_eval_by_type_splits_pass_at_k_and_accuracy():
