@@ -336,11 +336,10 @@ def entropy_bonus(logits: torch.Tensor, mask: torch.Tensor, cfg: "ObjectiveConfi
     """The entropy bonus, a loss term: -entropy_coef * aggregate(H), H the full-vocabulary entropy at each
     token, WITH its gradient.                                                 [B, T, V], [B, T] -> scalar
 
-    The oldest remedy against entropy collapse (Williams and Peng 1991; PPO's c2 S[pi] term, arXiv
+    A classic remedy against entropy collapse (Williams and Peng 1991; PPO's c2 S[pi] term, arXiv
     1707.06347 eq. 9). Added by the trainer to any objective's loss, as verl's actor adds its
-    entropy_coeff (default 0 there, because a bad coefficient makes training unstable; verl PR #1770),
-    and aggregated like that objective's loss (cfg.aggregation, num_tokens / num_seqs as in
-    aggregate_loss). Its gradient on the logits z of a position is -entropy_coef * w * dH/dz with
+    entropy_coeff outside the policy losses, and aggregated like that objective's loss (cfg.aggregation,
+    num_tokens / num_seqs as in aggregate_loss). Its gradient on the logits z of a position is -entropy_coef * w * dH/dz with
     dH/dz_v = -p_v (log p_v + H) (entropy_grad_wrt_logits, section 4), w the aggregation weight.
     Flag: --entropy-coef. Zero (no gradient, no cost) when entropy_coef = 0.
     """
