@@ -339,8 +339,9 @@ def entropy_bonus(logits: torch.Tensor, mask: torch.Tensor, cfg: "ObjectiveConfi
     A classic remedy against entropy collapse (Williams and Peng 1991; PPO's c2 S[pi] term, arXiv
     1707.06347 eq. 9). Added by the trainer to any objective's loss, as verl's actor adds its
     entropy_coeff outside the policy losses, and aggregated like that objective's loss (cfg.aggregation,
-    num_tokens / num_seqs as in aggregate_loss). Its gradient on the logits z of a position is -entropy_coef * w * dH/dz with
-    dH/dz_v = -p_v (log p_v + H) (entropy_grad_wrt_logits, section 4), w the aggregation weight.
+    num_tokens / num_seqs as in aggregate_loss). Its gradient on the logits z of a position is
+    -entropy_coef * w * dH/dz with dH/dz_v = -p_v (log p_v + H) (entropy_grad_wrt_logits, section 4),
+    w the aggregation weight.
     Flag: --entropy-coef. Zero (no gradient, no cost) when entropy_coef = 0.
     """
     if cfg.entropy_coef == 0:
