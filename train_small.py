@@ -82,7 +82,7 @@ from tepokit.kl_mask_log import KLMaskDetails  # noqa: E402
 from tepokit.memory import check_memory, peak_memory_mb, process_memory_mb, reset_peak_memory  # noqa: E402
 from tepokit.model import eos_ids_of, load_policy, pick_device, prepare_start_model  # noqa: E402
 from tepokit.sampling import recompute_old_logprobs, sample, sampler_logprobs_wanted  # noqa: E402
-from tepokit.stats import pass_at_k, pass_k_values  # noqa: E402
+from tepokit.stats import mean_pass_at_k  # noqa: E402
 from tepokit.task import format_prompt, gold_answer, load_task, score_completions, task_fingerprint  # noqa: E402
 
 
@@ -478,7 +478,7 @@ def rollout_metrics(batch: dict, scored: dict, keep: torch.Tensor, stats: dict, 
 @torch.no_grad()
 def evaluate(model, tokenizer, test, args: Args, device) -> dict:
     """Held-out accuracy with greedy decoding (strict and lenient), and pass@k for k = 1, 2, 4, ... up
-    to K = --pass-k from the same K samples per problem (unbiased estimator, pass_at_k).
+    to K = --pass-k from the same K samples per problem (unbiased estimator, tepokit.stats.pass_at_k).
     Generation goes one rollout's worth of rows at a time, so evaluation never needs more memory
     (KV cache) than a training step's rollout."""
     rollout_rows = args.prompts_per_step * args.group_size
@@ -497,8 +497,7 @@ def evaluate(model, tokenizer, test, args: Args, device) -> dict:
     greedy_right = torch.cat([s for s, _ in greedy])                                # [N]
     row = {"eval/accuracy": greedy_right.mean().item(),
            "eval/accuracy_lenient": torch.cat([l for _, l in greedy]).mean().item(),
-           **{f"eval/pass@{k}": sum(pass_at_k(args.pass_k, c, k) for c in n_right) / len(n_right)
-              for k in pass_k_values(args.pass_k)},
+           **{f"eval/pass@{k}": value for k, value in mean_pass_at_k(n_right, args.pass_k).items()},
            f"eval/mean@{args.pass_k}": right.mean().item()}
     if "type" in test.column_names:     # the hidden-type task: each type apart (tepokit/forks.py)
         row |= eval_by_type(greedy_right, right, sampled_texts, list(test["type"]), args.pass_k)

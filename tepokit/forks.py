@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 import tepo
-from tepokit.stats import pass_at_k, pass_k_values
+from tepokit.stats import mean_pass_at_k
 from tepokit.task import HIDDEN_TYPES, parse_strict
 
 TOP_FRACTION = 0.2      # Wang et al.'s share of forking tokens
@@ -112,7 +112,6 @@ def eval_by_type(greedy: torch.Tensor, right: torch.Tensor, sampled_texts: list[
             row[f"eval/accuracy/{kind}"] = greedy[greedy_rows].mean().item()
         if sampled_rows:
             n_right = right[sampled_rows].sum(1).long().tolist()
-            row |= {f"eval/pass@{k}/{kind}": sum(pass_at_k(pass_k, c, k) for c in n_right) / len(n_right)
-                    for k in pass_k_values(pass_k)}
+            row |= {f"eval/pass@{k}/{kind}": value for k, value in mean_pass_at_k(n_right, pass_k).items()}
             row[f"eval/mean@{pass_k}/{kind}"] = right[sampled_rows].mean().item()
     return row

@@ -434,8 +434,13 @@ def first_and_last_means(rows: list[dict], key: str) -> tuple:
     values = [r[key] for r in rows if math.isfinite(r.get(key, math.nan))]
     if not values:
         return None, None
-    span = max(1, min(10, len(values) // 10))
+    span = end_span(len(values))
     return sum(values[:span]) / span, sum(values[-span:]) / span
+
+
+def end_span(n: int) -> int:
+    """How many of n steps make the start or the end of a run: a tenth, at least 1 and at most 10."""
+    return max(1, min(10, n // 10))
 
 
 def accuracy_with_interval(p: float, n: int) -> str:
@@ -457,7 +462,7 @@ def print_summary(summary: dict, rows: list[dict], args, wall: float) -> None:
                  f"({k} samples of each of {min(args.pass_k_problems, n)} problems)")]
     measured = [r for r in rows if r["step"] > 0 and math.isfinite(r.get("entropy", math.nan))]
     if measured:       # means over the first and last tenth of the run: one step's entropy is noisy
-        span = max(1, min(10, len(measured) // 10))
+        span = end_span(len(measured))
         first, last = summary["entropy_start"], summary["entropy_end"]
         rows_out.append(("token entropy", f"{first:.3f} -> {last:.3f} nats ({100 * (last / first - 1):+.0f}%; "
                          f"first and last {span} steps); predicted vs measured change per step: "

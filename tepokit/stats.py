@@ -28,6 +28,12 @@ def pass_k_values(k_max: int) -> list[int]:
     return sorted({2 ** i for i in range(k_max.bit_length())} | {k_max})
 
 
+def mean_pass_at_k(n_right: list[int], n: int) -> dict[int, float]:
+    """pass@k averaged over problems, for every logged k (pass_k_values(n)): n_right holds the number of right
+    samples of each problem, out of its n."""
+    return {k: sum(pass_at_k(n, c, k) for c in n_right) / len(n_right) for k in pass_k_values(n)}
+
+
 def accuracy_auc(steps: list[int], accuracy: list[float]) -> float:
     """Area under the held-out accuracy curve divided by the run's length: the mean height of the curve
     that joins the evaluation points with straight lines (trapezoid rule, step 0 to the last step).

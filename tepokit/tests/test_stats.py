@@ -51,3 +51,12 @@ def test_accuracy_auc_is_the_trapezoid_area_over_the_run_length():
     # 25 * (0.2 + 0.4) / 2 + 25 * 0.4 + 10 * (0.4 + 0.5) / 2 = 7.5 + 10 + 4.5 = 22 over 60 steps
     assert accuracy_auc([0, 25, 50, 60], [0.2, 0.4, 0.4, 0.5]) == pytest.approx(22 / 60)
     assert accuracy_auc([0], [0.3]) == 0.3
+
+
+def test_mean_pass_at_k_averages_each_logged_k_over_problems():
+    from tepokit.stats import mean_pass_at_k
+    row = mean_pass_at_k([0, 2, 4], 4)
+    assert sorted(row) == pass_k_values(4) == [1, 2, 4]
+    assert row[1] == pytest.approx((0 + 0.5 + 1) / 3)
+    assert row[4] == pytest.approx(2 / 3)                  # any of the 4 right: problems 2 and 3
+    assert row[2] == pytest.approx((0 + (1 - 1 / 6) + 1) / 3)  # C(2, 2) / C(4, 2) = 1/6 for the middle one
