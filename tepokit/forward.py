@@ -54,13 +54,28 @@ def completion_logits(model, batch: dict, rows, args) -> torch.Tensor:
         distinct_ids, distinct_mask = distinct[:, :P], distinct[:, P:]                  # [u, P] each prompt once
         prompts = model(input_ids=distinct_ids, attention_mask=distinct_mask,
                         position_ids=(distinct_mask.cumsum(1) - 1).clamp(min=0), logits_to_keep=1, use_cache=True)
-        first = prompts.logits[which]                                                   # [b, 1, V] token 0
+        first = prompts.logits.index_select(0, which)                                   # [b, 1, V] token 0
         if T == 1:
             return first
-        prompts.cache.batch_select_indices(which)                                       # each row's copy
+        copy_rows(prompts.cache, which)                                                 # each row's copy
         rest = model(input_ids=completion_ids[:, :-1], attention_mask=attn[:, :-1],
                      position_ids=position_ids[:, P:-1], cache=prompts.cache, use_cache=True).logits  # [b, T-1, V]
     return torch.cat([first, rest], 1)
+
+
+def copy_rows(cache, which: torch.Tensor) -> None:
+    """cache.batch_select_indices(which), with a backward that repeats: row b gets its prompt's keys and
+    values, which[b]. transformers selects with `keys[which]`, whose backward adds the rows' gradients into
+    each prompt's with atomic additions on the CPU, in an order that depends on thread timing: two runs of
+    one command then differed in the last bits of the gradient from the first step on. index_select's
+    backward (index_add_) adds them in row order. Cache layers with more state than keys and values keep
+    transformers' selection."""
+    from transformers.cache_utils import DynamicLayer
+    for layer in cache.layers:
+        if type(layer).batch_select_indices is DynamicLayer.batch_select_indices and layer.keys is not None:
+            layer.keys, layer.values = layer.keys.index_select(0, which), layer.values.index_select(0, which)
+        else:
+            layer.batch_select_indices(which)
 
 
 LOGITS_CHUNK_BYTES = 2**24   # log-probs and entropy go through the logits 16 MiB of float32 at a time

@@ -15,7 +15,7 @@ from tepokit.model import build_char_tokenizer, build_tiny_model
 from tepokit.stats import accuracy_auc
 from test_tepo import F64, assert_close, cfg
 from tepokit.tests.helpers import (MICRO, brute_force_pass_at_k, hand_batch, micro_run, read_details, read_rows,
-                                   run_main, without_timing)
+                                   run_main, start_process, without_timing)
 
 
 def test_end_token_is_in_loss_mask_when_pad_equals_eos():
@@ -306,3 +306,17 @@ def test_hidden_type_task_logs_its_forks_and_summarises_the_collapse(workdir):
     summary = json.load(open(os.path.join(out, "summary.json")))
     assert {"decision_entropy_start", "decision_entropy_end", "start_pass@2/add", "final_pass@2/add",
             "format_eval_min", "format_rollout_min", "format_rollout_mean"} <= set(summary)
+
+
+def test_two_runs_of_one_command_started_together_write_the_same_rows(tmp_path):
+    """The same command and seed, twice at once on the default threads (each run's two threads then compete
+    with the other's for the machine): the same metrics.jsonl, timings aside. Thread timing changed the
+    order of the gradient's additions into each prompt (tepokit/forward.py, copy_rows) from step 1 on."""
+    argv = ["--steps", "6", "--eval-every", "6", "--pass-k-problems", "20"]
+    runs = [start_process([*argv, "--out", str(tmp_path / name)]) for name in ("a", "b")]
+    for process in runs:
+        assert process.wait(timeout=600) == 0, process.stderr.read()
+    a, b = (without_timing(read_rows(tmp_path / name)) for name in ("a", "b"))
+    assert [r["step"] for r in a] == list(range(7))
+    for row_a, row_b in zip(a, b):
+        assert row_a == row_b, {k: (v, row_b.get(k)) for k, v in row_a.items() if row_b.get(k) != v}
