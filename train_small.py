@@ -161,7 +161,9 @@ class Args:
     seeds: int = 1                      # --compare: number of seeds (seed, seed+1, ...)
     baseline: str = "grpo"              # --compare: the objective (or variant) the others are paired against
     bench: bool = False                 # time one RL step against TRL's GRPOTrainer and exit
-    bench_steps: int = 3                # --bench: timed steps (after one untimed step)
+    bench_steps: int = 3                # --bench: timed steps per repeat (after one untimed step)
+    bench_repeats: int = 3              # --bench: alternating repeats (ours, TRL, ours, TRL, ...); the median counts
+    bench_shape: str = "builtin"        # --bench: builtin (the run's own model), or gpt2-small (random weights)
     stop_after: int | None = None       # stop after this step as if interrupted (testing --resume)
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 import time
+import warnings
 
 import torch
 
@@ -14,9 +17,8 @@ import tepo
 from tepokit.cli import flag, objective_config
 from tepokit.errors import fail
 from tepokit.forward import rows_per_forward, rows_per_minibatch
-from tepokit.memory import peak_memory_mb
 from tepokit.model import pick_device, prepare_start_model
-from tepokit.rundir import read_log, write_json
+from tepokit.rundir import read_log, save_pretrained_atomically, write_json
 from tepokit.task import format_prompt, gold_answer, load_task, parse_strict
 
 # --bench's FLOP-counting run sets this to an active torch.utils.flop_counter.FlopCounterMode.
@@ -49,59 +51,159 @@ class PhaseClock:
         return {**{f"timing/{k}": v for k, v in self.seconds.items()}, "step_time": self.total(), **flops}
 
 
-PHASES = ("generate", "reward", "old_logprobs", "update", "entropy_check")
+PHASES = ("generate", "reward", "old_logprobs", "update")    # what the bench times (its entropy check is off)
 
 
 def benchmark(args, obj_overrides: dict, train) -> None:
-    """Per-phase seconds, FLOP/s against the machine's matmul rate, tokens/s and peak memory of our RL
-    step; TRL's GRPOTrainer on the same model directory, batch, group size and lengths (two mini-batches
-    per rollout for both); the peak memory at twice the rollout. `train` is train_small.py's run
-    (passed in: the package does not import the script)."""
+    """Our RL step against TRL's GRPOTrainer on the same work, --bench-repeats times in alternation (ours,
+    ours recomputing the old log-probs, TRL, ours, ...): the median ratio and its spread. Then where our
+    step goes (seconds, FLOP/s against the machine's matmul rate) and, on the built-in shape, the peak
+    memory at twice the rollout. `train` is train_small.py's run (passed in: the package does not import
+    the script).
+
+    The same work on both sides: the same start model, prompts, group size, lengths, temperature,
+    mini-batches, micro-batches, epochs, learning rate, precision and checkpointing (bench_trl_config), and
+    every row trained: DAPO's dynamic sampling, which drops the groups whose rewards are all equal, is
+    turned off on our side (TRL's GRPOTrainer has no such filter). A reference model on both sides when
+    the objective needs one (TRL's beta). What still differs is printed with the result."""
     try:
         import trl  # noqa: F401
     except ImportError:
         fail("--bench compares with TRL's GRPOTrainer, and trl is not installed; install it with: "
              "pip install -r requirements.txt")
     torch.set_num_threads(args.threads)
-    checks = input_check_cost(args, obj_overrides)
+    out = args.out or os.path.join("runs", f"bench__{time.strftime('%Y%m%d-%H%M%S')}")
+    if args.bench_shape == "gpt2-small":
+        args = dataclasses.replace(args, model=save_gpt2_small(args, os.path.join(out, "gpt2_small")))
+    same_work = {**obj_overrides, "dynamic_sampling": False}
+    cfg = objective_config(args, same_work)
+    reference = "; a reference model on both" if tepo.needs_ref(args.objective, cfg) else ""
+    print(f"--bench: {args.objective} against TRL's GRPOTrainer, {args.bench_repeats} alternating repeats of "
+          f"{args.bench_steps} timed step(s) after an untimed one; {args.prompts_per_step} prompts x "
+          f"{args.group_size} samples, up to {args.max_new_tokens} new tokens, {args.threads} thread(s); "
+          f"every row trained on both sides (dynamic sampling off){reference}")
+    checks = input_check_cost(args, same_work)
     print(f"input checks of {args.objective} (tepo._prepare) on a {checks['batch']} mini-batch: "
           f"{1e3 * checks['checks_s']:.3f} ms of the objective's {1e3 * checks['objective_s']:.3f} ms "
           f"(forward and backward, {100 * checks['checks_s'] / checks['objective_s']:.1f}%)")
-    out = args.out or os.path.join("runs", f"bench__{time.strftime('%Y%m%d-%H%M%S')}")
-    ours = timed_steps(args, obj_overrides, train, os.path.join(out, "ours"))
-    flops = counted_flops(args, obj_overrides, train, os.path.join(out, "ours_flops"))
-    rate = matmul_rate(args.threads, torch.bfloat16 if args.precision == "bf16" else torch.float32)
-    print_phases(ours, flops, rate)
-    result = {"ours": ours, "flops_per_step": flops, "matmul_flops_per_second": rate, "input_checks": checks,
-              "setup": {"prompts": args.prompts_per_step, "group_size": args.group_size,
+    sides = {"ours": [], "ours_recomputed": [], "trl": []}
+    for r in range(args.bench_repeats):
+        sides["ours"].append(timed_steps(args, same_work, train, os.path.join(out, f"ours_{r + 1}")))
+        sides["ours_recomputed"].append(timed_steps(dataclasses.replace(args, recompute_old_logprobs=True), same_work,
+                                                    train, os.path.join(out, f"ours_recomputed_{r + 1}")))
+        sides["trl"].append(bench_trl(args, cfg, os.path.join(out, f"trl_{r + 1}")))
+        print(f"  repeat {r + 1}/{args.bench_repeats}: ours {sides['ours'][-1]['step_time']:.3f} s, ours recomputing "
+              f"the old log-probs {sides['ours_recomputed'][-1]['step_time']:.3f} s, TRL "
+              f"{sides['trl'][-1]['step_time']:.3f} s per step", flush=True)
+    result = {"setup": {"shape": args.bench_shape, "prompts": args.prompts_per_step, "group_size": args.group_size,
                         "max_new_tokens": args.max_new_tokens, "mini_batches": args.mini_batches,
-                        "threads": args.threads, "steps_timed": args.bench_steps}}
-    result["trl"] = bench_trl(args, out, args.bench_steps)
-    print("trl GRPOTrainer: " + ", ".join(f"{k} {v:.3f}" for k, v in result["trl"].items()))
-    result["speedup"] = result["trl"]["step_time"] / ours["step_time"]
-    print(f"our step is {result['speedup']:.2f}x the speed of TRL's")
-    result["rollout_memory"] = rollout_memory(args, obj_overrides, out)
+                        "epochs": args.epochs, "micro_batch_size": args.micro_batch_size,
+                        "precision": args.precision, "threads": args.threads, "steps_timed": args.bench_steps,
+                        "repeats": args.bench_repeats, "trl_config": bench_trl_config(args, cfg, "trl")},
+              "input_checks": checks, **sides,
+              "ratio": ratio_summary([t["step_time"] for t in sides["trl"]], [o["step_time"] for o in sides["ours"]]),
+              "ratio_recomputed": ratio_summary([t["step_time"] for t in sides["trl"]],
+                                                [o["step_time"] for o in sides["ours_recomputed"]])}
+    print_result(result)
+    flops = counted_flops(args, same_work, train, os.path.join(out, "ours_flops"))
+    rate = matmul_rate(args.threads, torch.bfloat16 if args.precision == "bf16" else torch.float32)
+    median_ours = {k: median([o[k] for o in sides["ours"]]) for k in sides["ours"][0]}
+    print_phases(median_ours, flops, rate)
+    result.update(flops_per_step=flops, matmul_flops_per_second=rate)
+    if args.bench_shape == "builtin":
+        result["rollout_memory"] = rollout_memory(args, same_work, out)
+    else:
+        shutil.rmtree(args.model)         # the random model is made again by the same command
     write_json(os.path.join(out, "bench.json"), result)
+    print(f"written: {os.path.join(out, 'bench.json')}")
+
+
+def median(values: list) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
+
+
+def ratio_summary(trl_seconds: list, our_seconds: list) -> dict:
+    """TRL's seconds per step over ours, per repeat (repeat i of each side was run back to back), their
+    median and their range."""
+    ratios = [t / o for t, o in zip(trl_seconds, our_seconds)]
+    return {"per_repeat": ratios, "median": median(ratios), "min": min(ratios), "max": max(ratios)}
+
+
+def print_result(result: dict) -> None:
+    ratio, recomputed = result["ratio"], result["ratio_recomputed"]
+    ours = median([o["step_time"] for o in result["ours"]])
+    again = median([o["step_time"] for o in result["ours_recomputed"]])
+    print(f"our step is {ratio['median']:.2f}x the speed of TRL's (median of {len(ratio['per_repeat'])} repeats; "
+          f"range {ratio['min']:.2f}x to {ratio['max']:.2f}x)")
+    print(f"recomputing the old log-probs (--recompute-old-logprobs, the default in bf16) costs {again - ours:.3f} s "
+          f"a step ({100 * (again / ours - 1):+.0f}%): {recomputed['median']:.2f}x TRL's (range "
+          f"{recomputed['min']:.2f}x to {recomputed['max']:.2f}x), the passes TRL makes")
+    print("what still differs: ours takes the old log-probs from the sampler (TRL makes a forward pass for them, "
+          "as ours does when recomputing), reads each prompt once per group, and samples with its own loop; "
+          "TRL samples with generate and computes its GRPO loss; both sides' completion lengths follow their "
+          "own samples")
+
+
+def save_gpt2_small(args, model_dir: str) -> str:
+    """GPT-2 small's shape with random weights (seeded; nothing downloaded): 12 layers, width 768, 12 heads,
+    GPT-2's 50,257-token vocabulary (the built-in task's characters, then tokens no text encodes to).
+    Its sampled completions are near-uniform over the vocabulary, so every row runs to --max-new-tokens
+    and both sides do the same amount of work."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from tepokit.model import END, build_char_tokenizer
+    task = load_task(args)
+    tokenizer = build_char_tokenizer(list(task["train"]["question"]) + list(task["train"]["answer"])
+                                     + list(task["test"]["question"]), vocab_size=50257)
+    end = tokenizer.convert_tokens_to_ids(END)
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=1024, n_embd=768, n_layer=12, n_head=12,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=end, eos_token_id=end,
+                        pad_token_id=end)
+    torch.manual_seed(args.seed)
+    model = GPT2LMHeadModel(config)
+    model.generation_config.pad_token_id = end
+    save_pretrained_atomically(model, tokenizer, model_dir)
+    return model_dir
 
 
 def bench_args(args, out: str):
     """The bench's runs: --bench-steps timed steps after one untimed step, no evaluation beyond a token
-    one at the start, no checkpoints."""
-    return dataclasses.replace(args, bench=False, out=out, steps=args.bench_steps + 1, eval_every=10**9, n_test=16,
-                               save_every=10**9, pass_k=1, pass_k_problems=1, check_sampling_logprobs=False)
+    one at the start (the held-out set keeps its size: it is part of the task, and so of the start model),
+    no checkpoints, no entropy check (a measurement TRL does not make)."""
+    return dataclasses.replace(args, bench=False, out=out, steps=args.bench_steps + 1, eval_every=10**9,
+                               save_every=10**9, pass_k=1, pass_k_problems=1, check_sampling_logprobs=False,
+                               entropy_check_every=10**9)
 
 
 def timed_steps(args, obj_overrides: dict, train, out: str) -> dict:
     """Mean seconds of each phase (and of the step, evaluation excluded), tokens/s and peak memory over
-    the timed steps."""
-    train(bench_args(args, out), obj_overrides)
+    the timed steps. The run's console lines go to <out>.log, not to the bench's output."""
+    with quiet(out + ".log"):
+        train(bench_args(args, out), obj_overrides)
     rows = read_log(os.path.join(out, "metrics.jsonl"))[2:]   # skip step 0 and step 1
     keys = [f"timing/{p}" for p in PHASES] + ["step_time", "perf/tokens_per_second"]
     ours = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
     ours["step_time"] -= sum(r["timing/eval"] for r in rows) / len(rows)
     ours["peak_memory_mb"] = max(r["perf/peak_memory_mb"] for r in rows)
-    print(f"ours ({args.objective}): " + ", ".join(f"{k} {v:.3f}" for k, v in ours.items()))
     return ours
+
+
+@contextlib.contextmanager
+def quiet(log_path: str):
+    """Send what the code inside prints (our run's step lines and progress bars, TRL's {'loss': ...} dicts)
+    to log_path. If it exits (tepokit.errors.fail: a one-line error), that line is repeated on the console."""
+    os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
+    with open(log_path, "w") as log:
+        try:
+            with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+                yield
+        except SystemExit:
+            log.flush()
+            lines = open(log_path).read().strip().splitlines()
+            if lines:
+                print(lines[-1].split("\r")[-1], file=sys.stderr)
+            raise
 
 
 def counted_flops(args, obj_overrides: dict, train, out: str) -> dict:
@@ -113,7 +215,7 @@ def counted_flops(args, obj_overrides: dict, train, out: str) -> dict:
     aten = torch.ops.aten       # the CPU's attention kernels are missing from torch's formulas: add them
     cpu_attention = {aten._scaled_dot_product_flash_attention_for_cpu: attention_flops,
                      aten._scaled_dot_product_flash_attention_for_cpu_backward: attention_backward_flops}
-    with FlopCounterMode(display=False, custom_mapping=cpu_attention) as FLOP_COUNTER:
+    with FlopCounterMode(display=False, custom_mapping=cpu_attention) as FLOP_COUNTER, quiet(out + ".log"):
         try:
             train(bench_args(args, out), obj_overrides)
         finally:
@@ -158,7 +260,8 @@ def print_phases(ours: dict, flops: dict, rate: float) -> None:
 
 
 # Settings of the bench's own run that the memory runs do not take over.
-NOT_PASSED_ON = ("bench", "bench_steps", "out", "compare", "seeds", "resume", "overwrite", "steps", "eval_every")
+NOT_PASSED_ON = ("bench", "bench_steps", "bench_repeats", "bench_shape", "out", "compare", "seeds", "resume",
+                 "overwrite", "steps", "eval_every")
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_small.py")
 
 
@@ -173,7 +276,7 @@ def rollout_memory(args, obj_overrides: dict, out: str) -> dict:
         settings = {**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)
                        if getattr(args, f.name) != f.default and f.name not in NOT_PASSED_ON},
                     **obj_overrides, "prompts_per_step": prompts, "micro_batch_size": micro, "steps": 1,
-                    "eval_every": 10**6, "n_test": 8, "pass_k": 1, "pass_k_problems": 1, "out": run_dir}
+                    "eval_every": 10**6, "pass_k": 1, "pass_k_problems": 1, "out": run_dir}
         argv = [sys.executable, SCRIPT] + [a for k, v in settings.items() for a in flag_and_value(k, v)]
         done = subprocess.run(argv, capture_output=True, text=True)
         if done.returncode != 0:
@@ -193,8 +296,23 @@ def flag_and_value(name: str, value) -> list[str]:
     return [flag(name), str(value)]
 
 
-def bench_trl(args, out: str, n: int) -> dict:
-    """TRL's GRPOTrainer, one rollout = `mini_batches` optimizer steps, timed per rollout."""
+def bench_trl_config(args, cfg: tepo.ObjectiveConfig, out: str) -> dict:
+    """GRPOConfig's fields for the bench: --engine trl's mapping of our settings (tepo_trl.trl_settings:
+    micro-batches -> per-device batch and gradient accumulation, mini-batches -> steps per generation,
+    epochs -> num_iterations, precision, checkpointing under TRL's current name, learning rate and its
+    warm-up), TRL's own token-level GRPO loss, beta = our objective's when it needs a reference model
+    (TRL then loads one, as we do) and 0 otherwise, and --bench-steps + 1 rollouts, none saved or reported."""
+    from tepokit.tepo_trl import trl_settings
+    optimizer_steps = args.mini_batches * args.epochs                   # per rollout
+    return {**trl_settings(args, num_processes=1), "output_dir": out, "loss_type": "dapo",
+            "beta": cfg.beta if tepo.needs_ref(args.objective, cfg) else 0.0,
+            "max_steps": (args.bench_steps + 1) * optimizer_steps, "save_strategy": "no", "logging_steps": 1,
+            "use_cpu": pick_device(args).type == "cpu", "disable_tqdm": True}
+
+
+def bench_trl(args, cfg: tepo.ObjectiveConfig, out: str) -> dict:
+    """TRL's GRPOTrainer on the bench's work (bench_trl_config), seconds per rollout over the timed ones.
+    Its console lines go to <out>.log."""
     import datasets
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -206,32 +324,28 @@ def bench_trl(args, out: str, n: int) -> dict:
         return [float(parse_strict(c) == golds.get(p)) for p, c in zip(prompts, completions)]
 
     class Clock(TrainerCallback):
-        times = []
+        def __init__(self):
+            self.times = []
 
         def on_step_end(self, *a, **k):
             self.times.append(time.time())
 
-    rollout = args.prompts_per_step * args.group_size
-    config = GRPOConfig(output_dir=os.path.join(out, "trl"), per_device_train_batch_size=rollout // args.mini_batches,
-                        steps_per_generation=args.mini_batches, num_generations=args.group_size,
-                        max_completion_length=args.max_new_tokens, temperature=args.temperature, top_k=0, top_p=1.0,
-                        learning_rate=args.lr, beta=0.0, loss_type="dapo", max_steps=(n + 1) * args.mini_batches,
-                        gradient_checkpointing=args.gradient_checkpointing, use_cpu=pick_device(args).type == "cpu",
-                        bf16=args.precision == "bf16", report_to="none", save_strategy="no",   # as tepo's run
-                        logging_steps=1, seed=args.seed, dataloader_num_workers=0, disable_tqdm=True)
+    rollout, optimizer_steps = args.prompts_per_step * args.group_size, args.mini_batches * args.epochs
     prompts = datasets.Dataset.from_dict({"prompt": [format_prompt(q) for q in list(task["train"]["question"])]})
     clock = Clock()
-    trainer = GRPOTrainer(model=start_model, reward_funcs=reward_fn, args=config, train_dataset=prompts,
-                          callbacks=[clock])
-    t0 = time.time()
-    trainer.train()
+    with quiet(out + ".log"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        config = GRPOConfig(**bench_trl_config(args, cfg, out))
+        trainer = GRPOTrainer(model=start_model, reward_funcs=reward_fn, args=config, train_dataset=prompts,
+                              callbacks=[clock])
+        t0 = time.time()
+        trainer.train()
     ends = [t0] + clock.times
-    per_rollout = [ends[i + args.mini_batches] - ends[i]          # the first rollout (untimed) is skipped
-                   for i in range(args.mini_batches, len(ends) - args.mini_batches, args.mini_batches)]
+    per_rollout = [ends[i + optimizer_steps] - ends[i]             # the first rollout (untimed) is skipped
+                   for i in range(optimizer_steps, len(ends) - optimizer_steps, optimizer_steps)]
     step = sum(per_rollout) / max(1, len(per_rollout))
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
-    return {"step_time": step, "perf/tokens_per_second": rollout * lengths[-1] / step,
-            "peak_memory_mb (process-wide, includes ours)": peak_memory_mb(torch.device("cpu"))}
+    return {"step_time": step, "perf/tokens_per_second": rollout * lengths[-1] / step}
 
 
 def input_check_cost(args, obj_overrides: dict, repeats: int = 30) -> dict:

@@ -21,7 +21,8 @@ from tepokit.rundir import check_resumable, holds_a_run, lock_holder
 from tepokit.task import arithmetic_task_size, hidden_type_task_size
 
 # Fields of Args that only say how to run, not what is computed: they are not compared on resume.
-RUN_ONLY_FIELDS = ("resume", "stop_after", "compare", "seeds", "baseline", "bench", "bench_steps", "out", "threads",
+RUN_ONLY_FIELDS = ("resume", "stop_after", "compare", "seeds", "baseline", "bench", "bench_steps", "bench_repeats",
+                   "bench_shape", "out", "threads",
                    "cache_dir", "dry_run", "force", "overwrite")
 
 
@@ -190,6 +191,8 @@ VALID: dict[str, tuple] = {
     "baseline": ("an objective of --compare, written as there (e.g. grpo or tepo:beta=0)",
                  lambda v: variant_problem(v) is None, None),
     "bench_steps": at_least(1),
+    "bench_repeats": at_least(1),
+    "bench_shape": one_of(["builtin", "gpt2-small"]),
     "stop_after": at_least(1),
     # --- objective settings: the choices, and two fractions tepo.check_config only requires >= 0 ---
     "kl_estimator": one_of(tepo.KL_ESTIMATORS), "aggregation": one_of(tepo.AGGREGATIONS),
@@ -231,6 +234,8 @@ RELATIONS = [
     ("resume", "a run directory alone: --resume cannot be combined with --compare or --bench",
      lambda a: a.resume is None or not (a.compare or a.bench)),
     ("bench", "off with --compare (one mode at a time)", lambda a: not (a.bench and a.compare)),
+    ("bench_shape", "builtin with --model (gpt2-small builds its own model), and only with --bench",
+     lambda a: a.bench_shape == "builtin" or (a.bench and a.model is None)),
     ("out", "a directory that holds no run yet; continue the run in it with --resume {out}, or add --overwrite "
      "to replace it", lambda a: a.resume or a.compare or a.bench or a.out is None or a.overwrite
      or not holds_a_run(a.out)),
@@ -403,6 +408,12 @@ TASKS = {"arith": {}, "hidden-type": {"task_seed": 1, "difficulty": 9, "max_new_
 DEMO_HIDDEN_TYPE = {"steps": 60, "eval_every": 30, "lr_warmup_steps": 5}
 
 
+# --bench --bench-shape gpt2-small: the shape of a one-GPU user's model (GPT-2 small, random weights, built by
+# tepokit/bench.py) on a rollout that fits this CPU: 4 prompts x 8 samples, 128 new tokens, one timed step a repeat.
+BENCH_SHAPES = {"builtin": {}, "gpt2-small": {"prompts_per_step": 4, "group_size": 8, "max_new_tokens": 128,
+                                              "bench_steps": 1}}
+
+
 def parse_args(Args, argv=None) -> tuple:
     """Parse and validate the command line. Returns (args, objective overrides from flags).
     With --resume: the run's saved settings, with the command line's run-only fields and --steps."""
@@ -410,7 +421,8 @@ def parse_args(Args, argv=None) -> tuple:
     args = Args(**{k: v for k, v in given.items() if k in Args.__dataclass_fields__})
     if not args.resume:
         demo = (DEMO_HIDDEN_TYPE if args.task == "hidden-type" else DEMO) if args.demo else {}
-        preset = {**TASKS[args.task], **REGIMES[args.regime], **demo}
+        shape = BENCH_SHAPES[args.bench_shape] if args.bench else {}
+        preset = {**TASKS[args.task], **REGIMES[args.regime], **demo, **shape}
         args = dataclasses.replace(args, **{k: v for k, v in preset.items() if k not in given})
     obj_overrides = {k: v for k, v in given.items() if k not in Args.__dataclass_fields__}
     if args.resume:

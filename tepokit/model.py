@@ -19,12 +19,14 @@ from tepokit.task import format_prompt, task_fingerprint, task_seed
 END = "<|endoftext|>"   # end of sequence AND padding, as in GPT-2: the end token must still be trained
 
 
-def build_char_tokenizer(texts):
-    """A character-level tokenizer made locally with `tokenizers`, wrapped for transformers."""
+def build_char_tokenizer(texts, vocab_size: int | None = None):
+    """A character-level tokenizer made locally with `tokenizers`, wrapped for transformers. vocab_size:
+    pad the vocabulary to this size with tokens no text encodes to (a real model's vocabulary size)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     chars = sorted(set("".join(texts)) | set("0123456789+-*/=#.,:?! \n"))
     vocab = {END: 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    vocab.update({f"<unused{i}>": i for i in range(len(vocab), vocab_size or 0)})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one token per character
     tok.decoder = decoders.Fuse()                                                      # join without spaces

@@ -93,3 +93,48 @@ def test_rollout_memory_runs_the_rollout_and_twice_it(tmp_path, monkeypatch):
         config = json.load(open(tmp_path / "bench" / f"memory_{prompts}_prompts" / "config.json"))
         assert config["args"]["prompts_per_step"] == prompts and config["args"]["micro_batch_size"] == 4
         assert config["args"]["n_layer"] == 1 and config["args"]["steps"] == 1
+
+
+@pytest.mark.parametrize("flags, beta", [([], 0.0), (["--objective", "grpo"], 0.04),
+                                         (["--objective", "grpo", "--beta", "0"], 0.0)])
+def test_trl_gets_our_settings_in_its_own_names(flags, beta, tmp_path):
+    """--bench's GRPOConfig: the rollout our step trains, split as ours is (mini-batches, micro-batches,
+    epochs), a reference model exactly when ours has one, our precision and checkpointing; made without a
+    FutureWarning (no deprecated argument names)."""
+    import warnings
+    from trl import GRPOConfig
+    args, overrides = parse_args(ts.Args, ["--bench", "--prompts-per-step", "8", "--group-size", "4",
+                                           "--mini-batches", "2", "--micro-batch-size", "8", "--epochs", "3",
+                                           "--max-new-tokens", "20", "--gradient-checkpointing", "--bench-steps",
+                                           "2", "--temperature", "0.9", "--lr", "2e-5", *flags])
+    cfg = bench.objective_config(args, {**overrides, "dynamic_sampling": False})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        config = GRPOConfig(**bench.bench_trl_config(args, cfg, str(tmp_path)))
+    assert config.beta == beta and (beta > 0) == tepo.needs_ref(args.objective, cfg)
+    assert config.per_device_train_batch_size == 8 and config.gradient_accumulation_steps == 2   # 16-row mini-batch
+    assert config.generation_batch_size == 32 and config.num_generations == 4                   # the whole rollout
+    assert config.steps_per_generation // config.gradient_accumulation_steps == 2                # two mini-batches
+    assert config.num_iterations == 3 and config.max_steps == (2 + 1) * 2 * 3                   # 3 rollouts
+    assert config.max_completion_length == 20 and config.temperature == 0.9 and config.learning_rate == 2e-5
+    assert config.top_k == 0 and config.top_p == 1.0
+    assert config.gradient_checkpointing and not config.bf16 and config.report_to == []
+    args16, _ = parse_args(ts.Args, ["--bench", "--precision", "bf16"])
+    assert GRPOConfig(**bench.bench_trl_config(args16, cfg, str(tmp_path))).bf16
+
+
+def test_the_bench_times_every_row_and_says_the_median_and_range_of_its_repeats():
+    summary = bench.ratio_summary([2.0, 3.0, 2.4], [1.0, 1.0, 1.2])
+    assert summary == {"per_repeat": [2.0, 3.0, 2.0], "median": 2.0, "min": 2.0, "max": 3.0}
+    assert bench.median([3.0, 1.0, 2.0, 10.0]) == 2.5
+    args, _ = parse_args(ts.Args, ["--bench"])
+    run = bench.bench_args(args, "out")
+    assert run.steps == args.bench_steps + 1 and run.entropy_check_every > run.steps and not run.bench
+
+
+def test_the_gpt2_small_shape_is_a_preset_that_flags_override_and_is_refused_with_a_model():
+    args, _ = parse_args(ts.Args, ["--bench", "--bench-shape", "gpt2-small", "--bench-steps", "2"])
+    assert (args.prompts_per_step, args.group_size, args.max_new_tokens, args.bench_steps) == (4, 8, 128, 2)
+    with pytest.raises(SystemExit) as e:
+        parse_args(ts.Args, ["--bench", "--bench-shape", "gpt2-small", "--model", "some/model"])
+    assert e.value.code == 2
