@@ -2,9 +2,11 @@
 
 Two ways, the same distribution (plain softmax(z / T), no top-k, no top-p):
   - sample_gpt2: a sampling loop written out for GPT-2-shaped models (the built-in model, GPT-2 itself).
-    Each prompt is read once for its whole group (its keys and values are then copied G times), the
-    keys and values live in one preallocated buffer, and one fused step per token samples it and
-    keeps its log-prob and entropy. With the same random stream it draws the same tokens as
+    Each prompt is read once for its whole group, and its keys and values are kept once for the group
+    (not copied G times): each new token's attention reads them once per group and each row's own
+    completion apart (shared-prefix attention, see sample_gpt2). The completions' keys and values live
+    in one preallocated buffer, and one fused step per token samples it and keeps its log-prob and
+    entropy. With the same random stream it draws the same tokens as
     transformers' `generate` (tepokit/tests/test_sampling.py): it replaces generate's general machinery,
     not its sampling.
   - sample_generate: transformers' `generate`, for every other model. It gives log-probs and entropies
@@ -78,6 +80,15 @@ def sample_step(logits: torch.Tensor, temperature: float, greedy: bool) -> tuple
     return token, *logprob_and_entropy(logits, token, temperature)
 
 
+def _mlp(block, h: torch.Tensor, fused_gelu: bool) -> torch.Tensor:
+    """block.mlp(h) (GPT-2's MLP, no dropout in eval). fused_gelu: the model's activation is GPT-2's tanh
+    approximation of gelu, which F.gelu(approximate="tanh") computes in one kernel (the same function,
+    to rounding) instead of gelu_new's several elementwise operations."""
+    if not fused_gelu:
+        return block.mlp(h)
+    return block.mlp.c_proj(F.gelu(block.mlp.c_fc(h), approximate="tanh"))
+
+
 @torch.no_grad()
 def sample_gpt2(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens: int, temperature: float,
                 eos_ids: list[int], pad_id: int, greedy: bool = False, keep_logits_rows: int = 0) -> dict:
@@ -85,61 +96,97 @@ def sample_gpt2(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens:
     u*G .. u*G+G-1 are prompt u's group. Returns completion_ids [B, T] (B = U*G; after its end
     token a row holds pad_id, as generate pads it), logp and entropy [B, T] at temperature T (0
     after the end), and the raw logits [keep_logits_rows, T, V] of the first rows if asked.
-    T is the longest completion: the loop stops when every row has ended."""
+    T is the longest completion: the loop stops when every row has ended.
+
+    The method. The prompts go through the model once each (not once per row), and their keys and
+    values are kept once per prompt: prompt_keys[layer] [U*H, P, d/H]. Each row's own keys and values,
+    those of its completion so far, go into a preallocated buffer [L, 2, U, H, G, T, d/H]. A new token's
+    query attends to both parts: its scores against its prompt's keys are computed for the whole group
+    at once (the G queries of a group against the one copy of the prompt: a [G, d/H] x [d/H, P] product
+    per prompt and head), its scores against its own completion's keys per row, and one softmax over the
+    two parts together gives the same weights as one softmax over the row's whole sequence. Decoding is
+    memory-bound (every new token reads the whole cache); reading each prompt's keys and values once per
+    group instead of once per row reads about G times less of the prompt, and keeps G times less of it.
+    Prompt padding is masked with -inf in a float mask made once; a row's completion positions up to
+    the current one are all valid (a row that has ended keeps sampling, its tokens replaced by pad_id,
+    as generate does), so they need no mask.
+    """
     tr, cfg, G = model.transformer, model.config, group_size
     L, H, d = cfg.n_layer, cfg.n_head, cfg.n_embd
+    dh = d // H
     U, P = prompt_ids.shape
-    B, S, device = U * G, P + max_new_tokens, prompt_ids.device
+    B, device = U * G, prompt_ids.device
     dtype = next(model.parameters()).dtype
-    # Every position the loop reads is written first: the buffers need no zeroing.
-    keys = torch.empty(L, B, H, S, d // H, dtype=dtype, device=device)             # [L, B, H, S, d/H]
-    values = torch.empty_like(keys)
-    key_valid = torch.zeros(B, S, dtype=torch.bool, device=device)                  # [B, S] not padding
-    key_valid[:, :P] = prompt_mask.bool().repeat_interleave(G, 0)
+    scale = dh ** -0.5                                                             # scaled dot product
+    fused_gelu = cfg.activation_function in ("gelu_new", "gelu_pytorch_tanh")
+    valid = prompt_mask.bool()                                                    # [U, P] not padding
 
-    def layers(x, start: int):
-        """The transformer on x [rows, n, d] at positions start .. start+n-1; the logits of the last."""
-        rows, n = x.shape[:2]
-        if n > 1:   # the prompts: causal, padding masked; a padded query sees itself (no empty softmax)
-            causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-            attend = (prompt_mask.bool()[:, None, None, :] & causal) | torch.eye(n, dtype=torch.bool, device=device)
+    # The prompts: each once, causal, padding masked; a padded query sees itself (no empty softmax).
+    causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
+    attend = (valid[:, None, None, :] & causal) | torch.eye(P, dtype=torch.bool, device=device)   # [U, 1, P, P]
+    prompt_keys, prompt_values = [], []                                           # L x [U*H, P, d/H]
+    position = (prompt_mask.cumsum(1) - 1).clamp(min=0)                            # [U, P]
+    x = tr.wte(prompt_ids) + tr.wpe(position)                                     # [U, P, d]
+    for block in tr.h:
+        q, k, v = block.attn.c_attn(block.ln_1(x)).view(U, P, 3, H, dh).permute(2, 0, 3, 1, 4)   # [U, H, P, d/H]
+        prompt_keys.append(k.to(dtype).reshape(U * H, P, dh))                     # contiguous copies, once
+        prompt_values.append(v.to(dtype).reshape(U * H, P, dh))
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=attend)             # [U, H, P, d/H]
+        x = x + block.attn.c_proj(a.transpose(1, 2).reshape(U, P, d))
+        x = x + _mlp(block, block.ln_2(x), fused_gelu)
+    logits = model.lm_head(tr.ln_f(x[:, -1])).repeat_interleave(G, 0)             # [B, V] each prompt read once
+
+    # -inf at the prompts' padding, added to the group's scores [U*H, G, P] (baddbmm's input): made once.
+    prompt_bias = torch.zeros(U, H, G, P, dtype=dtype, device=device)
+    prompt_bias.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    prompt_bias = prompt_bias.view(U * H, G, P)
+    # The completions' keys (own[layer, 0]) and values (own[layer, 1]): row u*G+g's at [:, u, :, g], written
+    # with one copy per layer and token; every position read is written first (no zeroing).
+    own = torch.empty(L, 2, U, H, G, max_new_tokens, dh, dtype=dtype, device=device)   # [L, 2, U, H, G, T, d/H]
+    q = torch.empty(U * H, G, dh, dtype=dtype, device=device)                      # a group's queries, scaled
+
+    def decode(x, t: int):
+        """The transformer on one new token per row, x [B, d], at completion position t; its logits [B, V]."""
         for layer, block in enumerate(tr.h):
-            h = block.ln_1(x)
-            q, k, v = block.attn.c_attn(h).view(rows, n, 3, H, d // H).permute(2, 0, 3, 1, 4)   # [rows, H, n, d/H]
-            if n > 1:
-                a = F.scaled_dot_product_attention(q, k, v, attn_mask=attend)
-                keys[layer, :, :, :n], values[layer, :, :, :n] = k.repeat_interleave(G, 0), v.repeat_interleave(G, 0)
-            else:
-                keys[layer, :, :, start], values[layer, :, :, start] = k[:, :, 0], v[:, :, 0]
-                a = F.scaled_dot_product_attention(q, keys[layer, :, :, :start + 1], values[layer, :, :, :start + 1],
-                                                   attn_mask=key_valid[:, None, None, :start + 1])
-            x = x + block.attn.c_proj(a.transpose(1, 2).reshape(rows, n, d))
-            x = x + block.mlp(block.ln_2(x))
-        return model.lm_head(tr.ln_f(x[:, -1]))                                    # [rows, V]
+            qkv = block.attn.c_attn(block.ln_1(x)).view(U, G, 3, H, dh).permute(2, 0, 3, 1, 4)   # [3, U, H, G, d/H]
+            own[layer, :, :, :, :, t] = qkv[1:]
+            torch.mul(qkv[0], scale, out=q.view(U, H, G, dh))                      # [U*H, G, d/H] q / sqrt(d/H)
+            k_own, v_own = own[layer, :, :, :, :, :t + 1].reshape(2, U * H * G, t + 1, dh)   # views: no copy
+            # scores: the group's queries against its prompt once, each row's query against its own completion
+            s_prompt = torch.baddbmm(prompt_bias, q, prompt_keys[layer].transpose(1, 2))       # [U*H, G, P]
+            s_own = torch.bmm(q.view(U * H * G, 1, dh), k_own.transpose(1, 2))               # [U*H*G, 1, t+1]
+            w = torch.softmax(torch.cat([s_prompt, s_own.view(U * H, G, t + 1)], -1), -1)   # [U*H, G, P+t+1]
+            a = torch.bmm(w[:, :, P:].reshape(U * H * G, 1, t + 1), v_own).view(U * H, G, dh)
+            a = torch.baddbmm(a, w[:, :, :P], prompt_values[layer])               # [U*H, G, d/H] both sums
+            x = x + block.attn.c_proj(a.view(U, H, G, dh).permute(0, 2, 1, 3).reshape(B, d))
+            x = x + _mlp(block, block.ln_2(x), fused_gelu)
+        return model.lm_head(tr.ln_f(x))                                          # [B, V]
 
-    position = (prompt_mask.cumsum(1) - 1).clamp(min=0)                              # [U, P]
-    logits = layers(tr.wte(prompt_ids) + tr.wpe(position), 0).repeat_interleave(G, 0)   # each prompt read once
-    next_position = position[:, -1].repeat_interleave(G) + 1                        # [B]
-    eos = torch.tensor(eos_ids, device=device)
+    next_position = position[:, -1].repeat_interleave(G) + 1                      # [B]
+    V = logits.shape[-1]
+    is_eos = torch.zeros(V, dtype=torch.bool, device=device)                      # [V] a lookup table, not isin
+    is_eos[torch.tensor([e for e in eos_ids if 0 <= e < V], dtype=torch.long, device=device)] = True  # >= V: not drawn
     ended = torch.zeros(B, dtype=torch.bool, device=device)
-    tokens, logps, entropies, kept = [], [], [], []
+    tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)   # [B, T] written in place
+    logps = torch.zeros(B, max_new_tokens, dtype=torch.promote_types(logits.dtype, torch.float32), device=device)
+    entropies = torch.zeros_like(logps)
+    if keep_logits_rows:
+        kept = torch.empty(min(keep_logits_rows, B), max_new_tokens, V, dtype=logits.dtype, device=device)
     for t in range(max_new_tokens):
         if keep_logits_rows:
-            kept.append(logits[:keep_logits_rows].clone())
-        token, logp, entropy = sample_step(logits, temperature, greedy)            # the fused step
-        token = torch.where(ended, pad_id, token)
-        tokens.append(token)
-        logps.append(logp.masked_fill(ended, 0.0))
-        entropies.append(entropy.masked_fill(ended, 0.0))
-        ended |= torch.isin(token, eos)
+            kept[:, t] = logits[:keep_logits_rows]
+        token, logp, entropy = sample_step(logits, temperature, greedy)          # the fused step
+        tokens[:, t] = torch.where(ended, pad_id, token)
+        logps[:, t], entropies[:, t] = logp.masked_fill(ended, 0.0), entropy.masked_fill(ended, 0.0)
+        ended |= is_eos[token]
         if ended.all() or t == max_new_tokens - 1:
             break
-        key_valid[:, P + t] = True
-        x = tr.wte(token[:, None]) + tr.wpe((next_position + t)[:, None])          # [B, 1, d]
-        logits = layers(x, P + t)
-    out = dict(completion_ids=torch.stack(tokens, 1), logp=torch.stack(logps, 1), entropy=torch.stack(entropies, 1))
+        logits = decode(tr.wte(tokens[:, t]) + tr.wpe(next_position + t), t)
+    n = t + 1
+    out = dict(completion_ids=tokens[:, :n].contiguous(), logp=logps[:, :n].contiguous(),
+               entropy=entropies[:, :n].contiguous())
     if keep_logits_rows:
-        out["logits"] = torch.stack(kept, 1)                                        # [rows, T, V]
+        out["logits"] = kept[:, :n].contiguous()                                  # [rows, T, V]
     return out
 
 

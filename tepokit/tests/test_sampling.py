@@ -5,12 +5,12 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import GenerationConfig, GPT2Config, Qwen2Config
+from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, Qwen2Config
 
 import tepo
 import train_small as ts
 from tepokit.forward import completion_logits
-from tepokit.model import build_char_tokenizer, build_tiny_model
+from tepokit.model import build_char_tokenizer, build_tiny_model, tiny_model_config
 from tepokit.sampling import (STACKED_LOGITS_MAX_BYTES, recompute_old_logprobs, sample_generate, sample_gpt2,
                               sampler_logprobs_wanted, uses_loop)
 
@@ -108,6 +108,34 @@ def test_float64_and_bf16():
     same = greedy32["completion_ids"] == greedy16["completion_ids"]
     assert same[:, 0].all()                          # the first token of every row (then bf16 may diverge)
     assert (greedy32["logp"][:, 0] - greedy16["logp"][:, 0]).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("group_size, activation", [(1, "gelu_new"), (3, "relu")])
+def test_each_prompt_read_once_per_group_is_a_full_forward_in_float64(group_size, activation):
+    """The loop keeps each prompt's keys and values once per group and each row's own completion apart;
+    its logits at every completion position are a full forward's of prompt + completion (float64, prompts
+    of different lengths), for groups of one and of three, with the fused tanh gelu (gelu_new) and with
+    the model's own activation (relu)."""
+    _, tok, enc, eos = tiny()
+    config = tiny_model_config(ts.Args(n_layer=2, n_embd=32, n_head=2), tok)
+    config.activation_function = activation
+    torch.manual_seed(1)
+    model = GPT2LMHeadModel(config).double().eval()
+    B = len(QUESTIONS) * group_size
+    torch.manual_seed(2)
+    loop = sample_gpt2(model, enc.input_ids, enc.attention_mask, group_size, 10, 1.0, eos, tok.pad_token_id,
+                       keep_logits_rows=B)
+    prompt_mask = enc.attention_mask.repeat_interleave(group_size, 0)
+    completion_mask = ts.completion_mask(loop["completion_ids"], eos)
+    attn = torch.cat([prompt_mask, completion_mask], 1)
+    full = model(input_ids=torch.cat([enc.input_ids.repeat_interleave(group_size, 0), loop["completion_ids"]], 1),
+                 attention_mask=attn, position_ids=(attn.cumsum(1) - 1).clamp(min=0)).logits
+    full = full[:, enc.input_ids.shape[1] - 1:-1]                  # the position before each completion token
+    valid = completion_mask.bool()
+    assert loop["logits"].dtype == torch.float64 and loop["logits"].shape == full.shape
+    assert (loop["logits"] - full).abs()[valid].max() < 1e-10
+    recomputed = tepo.token_logprobs_from_logits(full, loop["completion_ids"], 1.0)
+    assert (recomputed - loop["logp"]).abs()[valid].max() < 1e-10
 
 
 def test_which_models_the_loop_covers_and_when_the_old_logprobs_are_recomputed():
