@@ -141,9 +141,9 @@ def print_result(result: dict) -> None:
           f"a step ({100 * (again / ours - 1):+.0f}%): {recomputed['median']:.2f}x TRL's (range "
           f"{recomputed['min']:.2f}x to {recomputed['max']:.2f}x), the passes TRL makes")
     print("what still differs: ours takes the old log-probs from the sampler (TRL makes a forward pass for them, "
-          "as ours does when recomputing), reads each prompt once per group, and samples with its own loop; "
-          "TRL samples with generate and computes its GRPO loss; both sides' completion lengths follow their "
-          "own samples")
+          "as ours does when recomputing), reads each prompt once per group, samples with its own loop and runs "
+          "GPT-2's tanh gelu as one kernel; TRL samples with generate and computes its GRPO loss; both sides' "
+          "completion lengths follow their own samples")
 
 
 def save_gpt2_small(args, model_dir: str) -> str:

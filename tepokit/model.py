@@ -209,6 +209,17 @@ def prepare_start_model(args, task, device) -> str:
     return cache
 
 
+def use_fused_gelu(model) -> None:
+    """GPT-2's activation, gelu_new, is gelu's tanh approximation written as six elementwise operations,
+    each a pass over the MLP's activations forward and another backward; torch's gelu(approximate="tanh")
+    is the same function in one kernel each way (equal to float32 rounding). Swapped in place."""
+    from transformers.activations import NewGELUActivation
+    for module in list(model.modules()):
+        for name, child in module.named_children():
+            if isinstance(child, NewGELUActivation):
+                setattr(module, name, torch.nn.GELU(approximate="tanh"))
+
+
 def load_policy(path: str, args, device):
     """Model and tokenizer from an id or directory; one-line error if it cannot be had."""
     offline_reason = None if os.path.exists(path) else use_offline_hub_if_unreachable()
@@ -234,6 +245,7 @@ def load_policy(path: str, args, device):
     # repetition penalty) would change the distribution and the log-probs would no longer describe it.
     model.generation_config = GenerationConfig(pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)
     switch_off_dropout(model)
+    use_fused_gelu(model)
     model.to(device).eval()
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -80,15 +80,6 @@ def sample_step(logits: torch.Tensor, temperature: float, greedy: bool) -> tuple
     return token, *logprob_and_entropy(logits, token, temperature)
 
 
-def _mlp(block, h: torch.Tensor, fused_gelu: bool) -> torch.Tensor:
-    """block.mlp(h) (GPT-2's MLP, no dropout in eval). fused_gelu: the model's activation is GPT-2's tanh
-    approximation of gelu, which F.gelu(approximate="tanh") computes in one kernel (the same function,
-    to rounding) instead of gelu_new's several elementwise operations."""
-    if not fused_gelu:
-        return block.mlp(h)
-    return block.mlp.c_proj(F.gelu(block.mlp.c_fc(h), approximate="tanh"))
-
-
 @torch.no_grad()
 def sample_gpt2(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens: int, temperature: float,
                 eos_ids: list[int], pad_id: int, greedy: bool = False, keep_logits_rows: int = 0) -> dict:
@@ -118,7 +109,6 @@ def sample_gpt2(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens:
     B, device = U * G, prompt_ids.device
     dtype = next(model.parameters()).dtype
     scale = dh ** -0.5                                                             # scaled dot product
-    fused_gelu = cfg.activation_function in ("gelu_new", "gelu_pytorch_tanh")
     valid = prompt_mask.bool()                                                    # [U, P] not padding
 
     # The prompts: each once, causal, padding masked; a padded query sees itself (no empty softmax).
@@ -133,7 +123,7 @@ def sample_gpt2(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens:
         prompt_values.append(v.to(dtype).reshape(U * H, P, dh))
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=attend)             # [U, H, P, d/H]
         x = x + block.attn.c_proj(a.transpose(1, 2).reshape(U, P, d))
-        x = x + _mlp(block, block.ln_2(x), fused_gelu)
+        x = x + block.mlp(block.ln_2(x))
     logits = model.lm_head(tr.ln_f(x[:, -1])).repeat_interleave(G, 0)             # [B, V] each prompt read once
 
     # -inf at the prompts' padding, added to the group's scores [U*H, G, P] (baddbmm's input): made once.
@@ -159,7 +149,7 @@ def sample_gpt2(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens:
             a = torch.bmm(w[:, :, P:].reshape(U * H * G, 1, t + 1), v_own).view(U * H, G, dh)
             a = torch.baddbmm(a, w[:, :, :P], prompt_values[layer])               # [U*H, G, d/H] both sums
             x = x + block.attn.c_proj(a.view(U, H, G, dh).permute(0, 2, 1, 3).reshape(B, d))
-            x = x + _mlp(block, block.ln_2(x), fused_gelu)
+            x = x + block.mlp(block.ln_2(x))
         return model.lm_head(tr.ln_f(x))                                          # [B, V]
 
     next_position = position[:, -1].repeat_interleave(G) + 1                      # [B]

@@ -1,5 +1,6 @@
 """tepokit/model.py: the built-in tokenizer, loading a model (end tokens, dropout off), the warm-up cache
 (keyed by the data and the tokenizer, written once under a lock, never taken half-written)."""
+import copy
 import dataclasses
 import json
 import os
@@ -220,3 +221,20 @@ def test_a_micro_run_prints_no_warning_and_no_transformers_bar(tmp_path, engine)
     lines = re.split(r"[\r\n]+", printed)                         # a bar redraws itself with carriage returns
     assert [line for line in lines if re.search(r"warn", line, re.IGNORECASE)] == []
     assert [line for line in lines if re.search(r"Loading|Writing model shards|Fetching", line)] == []
+
+
+def test_the_fused_gelu_is_gpt2s_activation_in_one_kernel():
+    """use_fused_gelu swaps gelu_new for torch's tanh gelu: the same logits and gradient in float64 (to 1e-12)."""
+    tok = build_char_tokenizer(["Ann has 3 pens. How many?"])
+    torch.manual_seed(0)
+    plain = model_module.build_tiny_model(ts.Args(n_layer=2, n_embd=32, n_head=2), tok).double()
+    fused = copy.deepcopy(plain)
+    model_module.use_fused_gelu(fused)
+    assert type(plain.transformer.h[0].mlp.act).__name__ == "NewGELUActivation"
+    assert isinstance(fused.transformer.h[0].mlp.act, torch.nn.GELU)
+    ids = tok(["Ann has 3 pens. How many?"], return_tensors="pt").input_ids
+    out = [m(input_ids=ids).logits for m in (plain, fused)]
+    assert (out[0] - out[1]).abs().max() < 1e-12
+    grads = [torch.autograd.grad(o.square().sum(), m.transformer.h[0].mlp.c_fc.weight)[0]
+             for o, m in zip(out, (plain, fused))]
+    assert (grads[0] - grads[1]).abs().max() < 1e-10

@@ -10,7 +10,7 @@ from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, Qwen2Con
 import tepo
 import train_small as ts
 from tepokit.forward import completion_logits
-from tepokit.model import build_char_tokenizer, build_tiny_model, tiny_model_config
+from tepokit.model import build_char_tokenizer, build_tiny_model, tiny_model_config, use_fused_gelu
 from tepokit.sampling import (STACKED_LOGITS_MAX_BYTES, recompute_old_logprobs, sample_generate, sample_gpt2,
                               sampler_logprobs_wanted, uses_loop)
 
@@ -110,17 +110,18 @@ def test_float64_and_bf16():
     assert (greedy32["logp"][:, 0] - greedy16["logp"][:, 0]).abs().max() < 0.1
 
 
-@pytest.mark.parametrize("group_size, activation", [(1, "gelu_new"), (3, "relu")])
-def test_each_prompt_read_once_per_group_is_a_full_forward_in_float64(group_size, activation):
+@pytest.mark.parametrize("group_size, fused_gelu", [(1, False), (3, True)])
+def test_each_prompt_read_once_per_group_is_a_full_forward_in_float64(group_size, fused_gelu):
     """The loop keeps each prompt's keys and values once per group and each row's own completion apart;
     its logits at every completion position are a full forward's of prompt + completion (float64, prompts
-    of different lengths), for groups of one and of three, with the fused tanh gelu (gelu_new) and with
-    the model's own activation (relu)."""
+    of different lengths), for groups of one and of three, with GPT-2's gelu_new and with the fused gelu
+    the runs load (tepokit.model.use_fused_gelu)."""
     _, tok, enc, eos = tiny()
     config = tiny_model_config(ts.Args(n_layer=2, n_embd=32, n_head=2), tok)
-    config.activation_function = activation
     torch.manual_seed(1)
     model = GPT2LMHeadModel(config).double().eval()
+    if fused_gelu:
+        use_fused_gelu(model)
     B = len(QUESTIONS) * group_size
     torch.manual_seed(2)
     loop = sample_gpt2(model, enc.input_ids, enc.attention_mask, group_size, 10, 1.0, eos, tok.pad_token_id,
