@@ -134,7 +134,7 @@ def test_the_bench_times_every_row_and_says_the_median_and_range_of_its_repeats(
 
 def test_the_gpt2_small_shape_is_a_preset_that_flags_override_and_is_refused_with_a_model():
     args, _ = parse_args(ts.Args, ["--bench", "--bench-shape", "gpt2-small", "--bench-steps", "2"])
-    assert (args.prompts_per_step, args.group_size, args.max_new_tokens, args.bench_steps) == (4, 8, 128, 2)
+    assert (args.prompts_per_step, args.group_size, args.max_new_tokens, args.bench_steps) == (2, 8, 128, 2)
     with pytest.raises(SystemExit) as e:
         parse_args(ts.Args, ["--bench", "--bench-shape", "gpt2-small", "--model", "some/model"])
     assert e.value.code == 2
