@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import warnings
+from statistics import median
 
 import torch
 
@@ -118,12 +119,6 @@ def benchmark(args, obj_overrides: dict, train) -> None:
     print(f"written: {os.path.join(out, 'bench.json')}")
 
 
-def median(values: list) -> float:
-    ordered = sorted(values)
-    n = len(ordered)
-    return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
-
-
 def ratio_summary(trl_seconds: list, our_seconds: list) -> dict:
     """TRL's seconds per step over ours, per repeat (repeat i of each side was run back to back), their
     median and their range."""
@@ -152,10 +147,8 @@ def save_gpt2_small(args, model_dir: str) -> str:
     Its sampled completions are near-uniform over the vocabulary, so every row runs to --max-new-tokens
     and both sides do the same amount of work."""
     from transformers import GPT2Config, GPT2LMHeadModel
-    from tepokit.model import END, build_char_tokenizer
-    task = load_task(args)
-    tokenizer = build_char_tokenizer(list(task["train"]["question"]) + list(task["train"]["answer"])
-                                     + list(task["test"]["question"]), vocab_size=50257)
+    from tepokit.model import END, builtin_tokenizer
+    tokenizer = builtin_tokenizer(load_task(args), vocab_size=50257)
     end = tokenizer.convert_tokens_to_ids(END)
     config = GPT2Config(vocab_size=len(tokenizer), n_positions=1024, n_embd=768, n_layer=12, n_head=12,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=end, eos_token_id=end,
@@ -316,6 +309,7 @@ def bench_trl(args, cfg: tepo.ObjectiveConfig, out: str) -> dict:
     import datasets
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+    from tepokit.tepo_trl import ignore_trls_checkpointing_warning
     task = load_task(args)
     start_model = prepare_start_model(args, task, pick_device(args))
     golds = {format_prompt(q): gold_answer(a) for q, a in zip(task["train"]["question"], task["train"]["answer"])}
@@ -334,7 +328,7 @@ def bench_trl(args, cfg: tepo.ObjectiveConfig, out: str) -> dict:
     prompts = datasets.Dataset.from_dict({"prompt": [format_prompt(q) for q in list(task["train"]["question"])]})
     clock = Clock()
     with quiet(out + ".log"), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        ignore_trls_checkpointing_warning()
         config = GRPOConfig(**bench_trl_config(args, cfg, out))
         trainer = GRPOTrainer(model=start_model, reward_funcs=reward_fn, args=config, train_dataset=prompts,
                               callbacks=[clock])

@@ -59,10 +59,10 @@ def build_tiny_model(args, tokenizer):
     return model
 
 
-def builtin_tokenizer(task):
-    """The built-in task's character tokenizer (the characters of its texts)."""
+def builtin_tokenizer(task, vocab_size: int | None = None):
+    """The built-in task's character tokenizer (the characters of its texts), padded to vocab_size if given."""
     return build_char_tokenizer(list(task["train"]["question"]) + list(task["train"]["answer"])
-                                + list(task["test"]["question"]))
+                                + list(task["test"]["question"]), vocab_size)
 
 
 # What determines the warmed-up built-in model, besides the code: these settings and the task seed.

@@ -198,6 +198,13 @@ class TepoGRPOTrainer(GRPOTrainer):
 # train_small.py --engine trl: the built-in task (or --model / --dataset) through TepoGRPOTrainer
 # =====================================================================================================
 
+def ignore_trls_checkpointing_warning() -> None:
+    """TRL 1.16 reads transformers' deprecated is_gradient_checkpointing at every generation: a FutureWarning
+    about TRL's code that a user cannot act on (requirements.txt holds TRL to the tested 1.16). Call it
+    inside warnings.catch_warnings()."""
+    warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+
+
 def trl_settings(args, num_processes: int) -> dict:
     """train_small.Args -> GRPOConfig fields. One RL step = one rollout of prompts_per_step x
     group_size completions (over all processes) = mini_batches x epochs optimizer steps, as in
@@ -318,9 +325,7 @@ def train(args, obj_overrides: dict, evaluate) -> dict:
             before = {"step": 0, **evaluate(trainer.model, trainer.processing_class, test, args, device)}
             write_atomically(metrics_path, lambda f: f.write((to_json(before) + "\n").encode()))
     with StopSignals(finish_step=True) as stop, without_transformers_bars(), warnings.catch_warnings():
-        # TRL 1.16 reads transformers' deprecated is_gradient_checkpointing at every generation: a FutureWarning
-        # about TRL's code that a user cannot act on (requirements.txt holds TRL to the tested 1.16).
-        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        ignore_trls_checkpointing_warning()
         trainer.add_callback(StopAtStepEnd(stop, optimizer_steps, identity))
         trainer.train(resume_from_checkpoint=newest_trl_checkpoint(run_dir)[0] if args.resume else None)
     if not state.is_main_process:
