@@ -71,6 +71,7 @@ def claim_run_dir(run_dir: str, resume: bool, overwrite: bool = False):
     directory that holds a finished or interrupted run unless resuming it or told to --overwrite it (then
     the old run's files are removed, under the lock). Returns the lock; closing it releases the directory."""
     os.makedirs(run_dir, exist_ok=True)
+    sync_folder(os.path.dirname(os.path.abspath(run_dir)))     # the new directory's name on the disk
     lock = lock_file(os.path.join(run_dir, LOCK_FILE), f"run directory {run_dir}")
     if not resume and holds_a_run(run_dir):
         if not overwrite:
@@ -269,14 +270,21 @@ def check_log(path: str, first_step: int, checkpoint_step: int) -> int:
 
 
 def save_pretrained_atomically(model, tokenizer, final_dir: str) -> None:
-    """save_pretrained into a temporary directory, then os.replace: a crash never leaves half a model."""
-    parent = os.path.dirname(final_dir) or "."
+    """save_pretrained into a temporary directory, made durable (sync_tree), then os.replace: a crash, a
+    kill or a power loss never leaves half a model. The caller holds the lock that guards `final_dir`
+    (the run directory's, the warm-up cache entry's), so a temporary directory of an earlier write of the
+    same directory (.tmp-<name>-*) is a leftover of a writer that was killed: it is removed first."""
+    parent, name = os.path.dirname(final_dir) or ".", os.path.basename(final_dir)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=".tmp-")
+    for stale in os.listdir(parent):
+        if stale.startswith(f".tmp-{name}-"):
+            shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".tmp-{name}-")
     try:
         with without_transformers_bars():
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
+        sync_tree(tmp)
     except BaseException as e:         # nothing half-written stays; a failed write is an OSError (one line)
         shutil.rmtree(tmp, ignore_errors=True)
         code = re.search(r"os error (\d+)", str(e))     # safetensors reports the OS's error in its own type
@@ -286,6 +294,7 @@ def save_pretrained_atomically(model, tokenizer, final_dir: str) -> None:
     if os.path.isdir(final_dir):       # someone else finished first, or an old copy: replace it
         shutil.rmtree(final_dir)
     os.replace(tmp, final_dir)
+    sync_folder(parent)
 
 
 def rng_state() -> dict:
@@ -302,10 +311,40 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# ---- durability: what the disk holds after a power loss or a kernel crash ---------------------------------
+# A rename is atomic, but the kernel may write it to the disk before the file's data: after a crash the new
+# name can point at an empty or truncated file. fsync on the file before the rename, and on its folder after
+# it, makes the order the disk sees the order the program meant. The cost per checkpoint is in
+# docs/reliability.md.
+
+def sync_file(path: str) -> None:
+    """Wait until the data of the file at `path` are on the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_folder(folder: str) -> None:
+    """Wait until the names in `folder` (files created, renamed or removed in it) are on the disk."""
+    sync_file(folder or ".")           # a folder opens read-only like a file; its fsync writes its entries
+
+
+def sync_tree(folder: str) -> None:
+    """sync_file on every file below `folder`, then sync_folder on every folder, deepest first."""
+    for root, _, files in os.walk(folder, topdown=False):
+        for name in files:
+            sync_file(os.path.join(root, name))
+        sync_folder(root)
+
+
 def write_atomically(path: str, write) -> None:
     """write(f) into a temp file next to `path`, then os.replace it: a reader, a crash or a kill -9
-    finds the old file or the new one, never half of one. Temp files of writes killed before (named
-    .<name>-*) are removed first."""
+    finds the old file or the new one, never half of one. Durable too (sync_file, sync_folder): the data reach
+    the disk before the rename, and the rename after it, so a power loss or a kernel crash finds the
+    old file or the whole new one. Temp files of writes killed before (named .<name>-*) are removed
+    first."""
     folder, name = os.path.dirname(path) or ".", os.path.basename(path)
     for stale in os.listdir(folder):
         if stale.startswith(f".{name}-"):
@@ -314,10 +353,13 @@ def write_atomically(path: str, write) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
+            f.flush()
+            os.fsync(f.fileno())       # the data on the disk before the name points at them
         os.replace(tmp, path)
     except BaseException:          # an exception or Ctrl-C: no temp file left behind
         os.remove(tmp)
         raise
+    sync_folder(folder)                # the rename on the disk
 
 
 def save_checkpoint(run_dir: str, model, optimizer, step: int, identity: dict) -> None:
@@ -327,6 +369,9 @@ def save_checkpoint(run_dir: str, model, optimizer, step: int, identity: dict) -
     after writing the temp file and before replacing checkpoint.pt, so that a test can kill the process in
     the middle of a write."""
     path = os.path.join(run_dir, "checkpoint.pt")
+    for log in ("metrics.jsonl", "details.jsonl"):   # --resume needs the log up to the checkpoint: on the disk first
+        if os.path.exists(os.path.join(run_dir, log)):
+            sync_file(os.path.join(run_dir, log))
 
     def write(f):
         try:

@@ -312,3 +312,68 @@ def test_a_run_saved_before_the_sampler_resumes_with_the_arithmetic_it_had(workd
     resumed = rundir.check_resumable(out, ts.Args, cli.RUN_ONLY_FIELDS)[0]["args"]
     assert resumed["sampler"] == "generate" and resumed["recompute_old_logprobs"] is True
     assert "logprobs/sampling_vs_recomputed_max_abs" in read_rows(out)[2]       # recomputed, and checked
+
+
+class DiskWrites:
+    """Records, in order, every os.fsync (by the path its descriptor was opened with) and every os.replace,
+    to check what reaches the disk before a name points at it."""
+
+    def __init__(self, monkeypatch):
+        self.events = []
+        fsync, replace = os.fsync, os.replace
+
+        def recording_fsync(fd):
+            self.events.append(("fsync", os.path.realpath(os.readlink(f"/proc/self/fd/{fd}"))))
+            fsync(fd)
+
+        def recording_replace(src, dst):
+            self.events.append(("replace", os.path.realpath(src), os.path.realpath(dst)))
+            replace(src, dst)
+        monkeypatch.setattr(os, "fsync", recording_fsync)
+        monkeypatch.setattr(os, "replace", recording_replace)
+
+    def synced(self, path: str, before: int | None = None) -> bool:
+        return ("fsync", path) in self.events[:before]
+
+    def durable(self, path: str) -> bool:
+        """The file at `path` reached the disk under the name it was written with, before the rename that
+        gave it (or a folder above it) its name, and that rename reached the disk after it; or, written in
+        place, it was synced."""
+        path = os.path.realpath(path)
+        for i in range(len(self.events) - 1, -1, -1):
+            kind, *where = self.events[i]
+            if kind == "replace" and (path == where[1] or path.startswith(where[1] + os.sep)):
+                written_as = where[0] + path[len(where[1]):]
+                return (self.synced(written_as, before=i)
+                        and ("fsync", os.path.dirname(where[1])) in self.events[i + 1:])
+        return self.synced(path)
+
+
+def test_every_file_a_run_and_the_warm_up_cache_write_reaches_the_disk_before_its_name(workdir, monkeypatch):
+    """fsync before each rename and on the folder after it: a power loss or a kernel crash after a
+    checkpoint finds the checkpoint whole, and the log rows up to it (synced before the checkpoint)."""
+    writes = DiskWrites(monkeypatch)
+    run_main([*MICRO, "--steps", "2", "--save-every", "2", "--warmup-steps", "3", "--cache-dir", "runs/cache_sync",
+              "--out", "runs/synced"])
+    written = [str(p) for folder in ("runs/synced", "runs/cache_sync") for p in Path(folder).rglob("*")
+               if p.is_file() and not p.name.endswith(".lock")]
+    assert any(p.endswith("checkpoint.pt") for p in written) and any("warmup-" in p for p in written)
+    assert any(p.endswith("model.safetensors") for p in written) and len(written) > 10
+    assert [p for p in written if not writes.durable(p)] == []
+    checkpoint_write = next(i for i, e in enumerate(writes.events) if e[0] == "replace" and e[2].endswith(
+        "checkpoint.pt"))      # checkpoint 0: step 0's row is on the disk before it
+    assert writes.synced(os.path.realpath("runs/synced/metrics.jsonl"), before=checkpoint_write)
+
+
+def test_a_killed_writers_temporary_directory_goes_when_its_directory_is_written_again(tmp_path):
+    """save_pretrained_atomically runs under the lock of the directory it writes (the run's, the cache
+    entry's): a .tmp-<name>-* beside it was left by a writer that was killed. Another name's is not ours."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from tepokit.model import build_char_tokenizer
+    for leftover in (".tmp-policy-killed", ".tmp-warmup-abc-killed"):
+        os.makedirs(tmp_path / leftover)
+        Path(tmp_path, leftover, "model.safetensors").write_bytes(b"half")
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=1))
+    rundir.save_pretrained_atomically(model, build_char_tokenizer(["0123456789"]), str(tmp_path / "policy"))
+    assert sorted(os.listdir(tmp_path)) == [".tmp-warmup-abc-killed", "policy"]
+    assert os.path.isfile(tmp_path / "policy" / "model.safetensors")
