@@ -353,8 +353,9 @@ def rollout_statistics(run, batch: dict, adv: torch.Tensor, plan: list, checked:
             check.capture(rows, logits)
             del logits                 # before the next forward allocates its own
     else:                              # the sampler's, computed at the same temperature
-        old_logp = batch["sampling_logp"].to(dtype)                                 # [B, T], 0 after the end
-        entropy = batch["sampling_entropy"].to(dtype)                               # [B, T], 0 after the end
+        # copies: the first mini-batch replaces them (micro_batch_loss), and the rollout keeps the sampler's
+        old_logp = batch["sampling_logp"].to(dtype, copy=True)                      # [B, T], 0 after the end
+        entropy = batch["sampling_entropy"].to(dtype, copy=True)                    # [B, T], 0 after the end
         if check.rows:
             check.capture(torch.arange(check.rows), batch["sampling_logits"][:check.rows])
     return dict(old_logp=old_logp, entropy=entropy, ref_logp=ref_logp, check=check, recomputed=run.recompute,
@@ -565,19 +566,32 @@ def train(args: Args, obj_overrides: dict) -> dict:
             if "eval/accuracy" in row:         # a line that stays on screen above the progress bar
                 bar.write(f"step {step:>4}: held-out accuracy {row['eval/accuracy']:.3f}, pass@{args.pass_k} "
                           f"{row[f'eval/pass@{args.pass_k}']:.3f}, entropy {row['entropy']:.3f}")
-            if step % args.save_every == 0 or step == last_step or stop.requested:
+            # Read once: the save and the stop agree on it. A signal after this line waits for the next step's
+            # end; at the run's last step, it waits for the policy and the summary to be written.
+            stopping = stop.requested and step < args.steps
+            if step % args.save_every == 0 or step == last_step or stopping:
                 rundir.save_checkpoint(run.run_dir, run.model, run.optimizer, step, run.identity)
-            if stop.requested:         # the safe point: the step is logged and checkpointed
+            if stopping:               # the safe point: the step is logged and checkpointed
                 bar.close()
-                print(f"{stop.name}: stopped after step {step}; resume with: python train_small.py --resume "
-                      f"{run.run_dir}", file=sys.stderr)
-                raise SystemExit(stop.exit_status)
-        if last_step < args.steps:     # stopped on purpose (--stop-after): no summary yet
-            return {"run_dir": run.run_dir, "stopped_at": last_step}
-        rundir.save_pretrained_atomically(run.model.cpu(), run.tokenizer, os.path.join(run.run_dir, "policy"))
-        run.model.to(run.device)
-        rows = rundir.read_log(os.path.join(run.run_dir, "metrics.jsonl"))
-        return rundir.write_summary(run.run_dir, rows, args, time.time() - t_start)
+                raise stopped(stop, run, step)
+        if last_step == args.steps:    # not stopped on purpose (--stop-after): the final policy and summary
+            rundir.save_pretrained_atomically(run.model.cpu(), run.tokenizer, os.path.join(run.run_dir, "policy"))
+            run.model.to(run.device)
+            rows = rundir.read_log(os.path.join(run.run_dir, "metrics.jsonl"))
+            summary = rundir.write_summary(run.run_dir, rows, args, time.time() - t_start)
+        else:
+            summary = {"run_dir": run.run_dir, "stopped_at": last_step}
+        if stop.requested:             # it came during the last step, the final save or the summary
+            raise stopped(stop, run, last_step)
+    return summary
+
+
+def stopped(stop, run: Run, step: int) -> Stopped:
+    """The end of a run stopped by a signal after `step`, which is checkpointed: what was kept, how to go on."""
+    if step < run.args.steps:
+        return Stopped(stop.signum, f"stopped after step {step}, which is checkpointed; resume with: python "
+                                    f"train_small.py --resume {run.run_dir}")
+    return Stopped(stop.signum, f"stopped after step {step}, the last: the run is complete in {run.run_dir}")
 
 
 def start_run(args: Args, obj_overrides: dict) -> Run:
@@ -671,8 +685,8 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except Stopped as e:          # before the first RL step, or a second signal: the last checkpoint stands
-        print(f"train_small.py: {e.name}: stopped; nothing after the last checkpoint is kept", file=sys.stderr)
+    except Stopped as e:          # what was kept, and how to go on
+        print(f"train_small.py: {e.name}: {e.message}", file=sys.stderr)
         sys.exit(e.exit_status)
     except OSError as e:          # the disk, the file system, the permissions: one line, and what to do
         fail(os_error_line(e))

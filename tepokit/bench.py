@@ -15,11 +15,12 @@ from statistics import median
 import torch
 
 import tepo
-from tepokit.cli import flag, objective_config
+from tepokit.cli import command_line, flag_and_value, objective_config
 from tepokit.errors import fail
 from tepokit.forward import rows_per_forward, rows_per_minibatch
 from tepokit.model import pick_device, prepare_start_model
 from tepokit.rundir import read_log, save_pretrained_atomically, write_json
+from tepokit.stop import Stopped
 from tepokit.task import format_prompt, gold_answer, load_task, parse_strict
 
 # --bench's FLOP-counting run sets this to an active torch.utils.flop_counter.FlopCounterMode.
@@ -73,7 +74,17 @@ def benchmark(args, obj_overrides: dict, train) -> None:
         fail("--bench compares with TRL's GRPOTrainer, and trl is not installed; install it with: "
              "pip install -r requirements.txt")
     torch.set_num_threads(args.threads)
+    again = command_line(args, obj_overrides, out=None)     # a bench stopped part-way is run again, afresh
     out = args.out or os.path.join("runs", f"bench__{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        measure(args, obj_overrides, train, out)
+    except Stopped as stop:    # the whole bench stops: its ratios pair runs made back to back, so it starts over
+        stop.message = f"--bench stopped; what it measured so far is in {out}; run it again with: {again}"
+        raise
+
+
+def measure(args, obj_overrides: dict, train, out: str) -> None:
+    """The bench's runs and its result, into `out` (benchmark says what they are)."""
     if args.bench_shape == "gpt2-small":
         args = dataclasses.replace(args, model=save_gpt2_small(args, os.path.join(out, "gpt2_small")))
     same_work = {**obj_overrides, "dynamic_sampling": False}
@@ -280,13 +291,6 @@ def rollout_memory(args, obj_overrides: dict, out: str) -> dict:
     print(f"peak memory above the process's before the model, micro-batch {micro} rows: {small:.0f} MiB at "
           f"{args.prompts_per_step} prompts, {large:.0f} MiB at {2 * args.prompts_per_step} ({large / small:.2f}x)")
     return {"micro_batch_size": micro, "peak_mb_above_start": peaks, "ratio": large / small}
-
-
-def flag_and_value(name: str, value) -> list[str]:
-    """The command-line form of one setting: --name value, or --name / --no-name for a switch."""
-    if isinstance(value, bool):
-        return [flag(name) if value else "--no-" + flag(name)[2:]]
-    return [flag(name), str(value)]
 
 
 def bench_trl_config(args, cfg: tepo.ObjectiveConfig, out: str) -> dict:

@@ -10,6 +10,7 @@ import functools
 import math
 import os
 import re
+import shlex
 
 import torch
 
@@ -246,6 +247,23 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def flag_and_value(name: str, value) -> list[str]:
+    """The command-line form of one setting: --name value, or --name / --no-name for a switch."""
+    if isinstance(value, bool):
+        return [flag(name) if value else "--no-" + flag(name)[2:]]
+    return [flag(name), str(value)]
+
+
+def command_line(args, obj_overrides: dict, **changes) -> str:
+    """The command that makes these settings, for a line that says how to go on: `python train_small.py` with
+    a flag for each setting that differs from its default and for each objective setting, after `changes`
+    (a change to None leaves the flag out). Quoted for a POSIX shell."""
+    settings = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if getattr(args, f.name) != f.default}
+    settings = {**settings, **obj_overrides, **changes}
+    flags = [part for name, value in settings.items() if value is not None for part in flag_and_value(name, value)]
+    return shlex.join(["python", "train_small.py", *flags])
+
+
 def field_kind(f: dataclasses.Field) -> tuple[str, bool]:
     """(bool | int | float | str, whether None is allowed) of a dataclass field."""
     text = str(f.type)
@@ -437,7 +455,18 @@ def parse_args(Args, argv=None) -> tuple:
                  "choose another --out")
     if not args.resume:
         warn_ignored(args, obj_overrides)
+        warn_rounded_old_logprobs(args)
     return args, obj_overrides
+
+
+def warn_rounded_old_logprobs(args) -> None:
+    """bf16 and the sampler's old log-probs (--no-recompute-old-logprobs): allowed (a wide clip band, as
+    GRPO's and DAPO's, does not see it), but said, because the narrow ones act on it."""
+    if args.precision == "bf16" and args.recompute_old_logprobs is False and args.mini_batches * args.epochs > 1:
+        warn("--precision bf16 with --no-recompute-old-logprobs: the optimizer steps after a rollout's first take "
+             "the sampler's old log-probs, which differ from the training forward's by bf16 rounding (up to 0.04 "
+             "per token on the built-in model, docs/results.md#precision), more than the (-3e-4, +4e-4) band in "
+             "which GSPO and TEPO clip; leave the flag out to recompute them")
 
 
 def objective_config(args, obj_overrides: dict) -> tepo.ObjectiveConfig:

@@ -8,9 +8,11 @@ import json
 import os
 import time
 
-from tepokit.cli import compare_entries
+from tepokit.cli import command_line, compare_entries
 from tepokit.rundir import read_log, write_atomically, write_json, write_summary
 from tepokit.stats import t_interval
+from tepokit.stop import Stopped
+
 
 def compare_objectives(args, obj_overrides: dict, train) -> None:
     """Several objectives x seeds on the same task, sequentially in-process. Writes <out>/summary.md
@@ -20,22 +22,20 @@ def compare_objectives(args, obj_overrides: dict, train) -> None:
     out = args.out or os.path.join("runs", f"compare__{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(out, exist_ok=True)
     seeds = list(range(args.seed, args.seed + args.seeds))
+    entries = list(zip(args.compare.split(","), compare_entries(args)))
+    run_dirs = [run_dir_of(out, name, seed) for seed in seeds for name, _ in entries]
     results = {}
     for seed in seeds:      # seed-major: early results cover every objective
-        for name, (objective, overrides) in zip(args.compare.split(","), compare_entries(args)):
-            run_dir = os.path.join(out, f"{name.replace(':', '_')}__{seed}")     # tepo:beta=0 -> tepo_beta=0__1
-            run = dataclasses.replace(args, objective=objective, seed=seed, compare=None, out=run_dir)
-            # Rerunning the same --compare command (same --out) goes on where it stopped: finished runs
-            # are read back, an interrupted one resumes from its checkpoint. So a long comparison can
-            # be split across processes (one --compare per subset) and then assembled by a last call.
-            if os.path.exists(os.path.join(run_dir, "summary.json")):   # summarised again from its log
-                wall = json.load(open(os.path.join(run_dir, "summary.json")))["wall_seconds"]
-                summary = write_summary(run_dir, read_log(os.path.join(run_dir, "metrics.jsonl")), run, wall)
-            elif os.path.exists(os.path.join(run_dir, "checkpoint.pt")):
-                summary = train(dataclasses.replace(run, resume=run_dir), {**obj_overrides, **overrides})
-            else:
-                summary = train(run, {**obj_overrides, **overrides})
-            results.setdefault(name, []).append(summary)
+        for name, (objective, overrides) in entries:
+            try:
+                results.setdefault(name, []).append(run_or_resume(args, objective, seed, run_dir_of(out, name, seed),
+                                                                  train, {**obj_overrides, **overrides}))
+            except Stopped as stop:     # the whole comparison stops; the same command goes on where it stopped
+                finished = sum(os.path.exists(os.path.join(d, "summary.json")) for d in run_dirs)
+                stop.message = (f"--compare stopped in {run_dir_of(out, name, seed)} with {finished} of "
+                                f"{len(run_dirs)} runs finished; go on with: "
+                                f"{command_line(args, obj_overrides, out=out)}")
+                raise
     table, paired = objective_means(results, args), paired_differences(results, args)
     write_json(os.path.join(out, "summary.json"), {"seeds": seeds, "baseline": args.baseline,
                                                    "target_accuracy": args.target_accuracy, "objectives": table,
@@ -43,6 +43,25 @@ def compare_objectives(args, obj_overrides: dict, train) -> None:
     lines = [*objective_table(table, args), "", *paired_table(paired, args, seeds)]
     write_atomically(os.path.join(out, "summary.md"), lambda f: f.write(("\n".join(lines) + "\n").encode()))
     print("\n".join(lines))
+
+
+def run_dir_of(out: str, name: str, seed: int) -> str:
+    """Where --compare puts the run of one entry and seed: tepo:beta=0, seed 1 -> <out>/tepo_beta=0__1."""
+    return os.path.join(out, f"{name.replace(':', '_')}__{seed}")
+
+
+def run_or_resume(args, objective: str, seed: int, run_dir: str, train, obj_overrides: dict) -> dict:
+    """One run of the comparison, or what is left of it. Rerunning the same --compare command (same --out)
+    goes on where it stopped: a finished run is read back (summarised again from its log), an interrupted
+    one resumes from its checkpoint, and one stopped before its first checkpoint starts again. So a long
+    comparison can also be split across processes (one --compare per subset), then assembled by a last call."""
+    run = dataclasses.replace(args, objective=objective, seed=seed, compare=None, out=run_dir)
+    if os.path.exists(os.path.join(run_dir, "summary.json")):
+        wall = json.load(open(os.path.join(run_dir, "summary.json")))["wall_seconds"]
+        return write_summary(run_dir, read_log(os.path.join(run_dir, "metrics.jsonl")), run, wall)
+    if os.path.exists(os.path.join(run_dir, "checkpoint.pt")):
+        return train(dataclasses.replace(run, resume=run_dir), obj_overrides)
+    return train(dataclasses.replace(run, overwrite=True), obj_overrides)    # nothing to keep before checkpoint 0
 
 
 def objective_means(results: dict, args) -> dict:

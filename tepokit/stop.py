@@ -2,8 +2,10 @@
 terminal or SSH session) all finish the current RL step, checkpoint it and exit with 128 + the signal.
 
 As PyTorch Lightning does, the handler only records the signal; the loop looks at it at its next safe
-point (after a step is logged), so no file is written inside a signal handler. A second signal while the
-step finishes aborts at once: the run then resumes from its last checkpoint."""
+point (after a step is logged), so no file is written inside a signal handler. A signal during a run's
+final save or summary is honoured once they are written. A second signal while the step finishes aborts
+at once: the run then resumes from its last checkpoint. Every stop ends the whole command: --compare and
+--bench do not start their next run, and say how to go on."""
 
 from __future__ import annotations
 
@@ -13,12 +15,14 @@ STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, 
 
 
 class Stopped(BaseException):
-    """A stop signal that must end the process now (outside the RL loop, or a second one inside it), with
-    exit status 128 + signum. Nothing is left half-written: every file is written atomically."""
+    """A stop signal that ends the process, with exit status 128 + signum and `message` (what was kept and
+    how to go on), which train_small.py prints as its last line. Raised at once outside the RL loop, or by
+    a second signal inside it; by the loop at its safe point for the first. Nothing is left half-written:
+    every file is written atomically. A BaseException, so that `except Exception` does not swallow it."""
 
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
+    def __init__(self, signum: int, message: str = "stopped; nothing after the last checkpoint is kept"):
+        super().__init__(signum, message)
+        self.signum, self.message = signum, message
         self.name = signal.Signals(signum).name
         self.exit_status = 128 + signum      # the shell's convention: 130 SIGINT, 143 SIGTERM, 129 SIGHUP
 

@@ -2,10 +2,12 @@
 reading logs, refusals in one line."""
 import contextlib
 import dataclasses
+import inspect
 import io
 import itertools
 import json
 import os
+import signal
 import time
 import sys
 import subprocess
@@ -152,3 +154,27 @@ def strict_loads(text):
     def refuse(constant):
         raise ValueError(f"{constant} is not JSON")
     return json.loads(text, parse_constant=refuse)
+
+
+def line_of(function, text: str) -> int:
+    """The number of the first line of `function` that holds `text`."""
+    lines, first = inspect.getsourcelines(function)
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
+@contextlib.contextmanager
+def signal_at(function, line: int, step: int, sig=signal.SIGTERM):
+    """Send `sig` to this process once, when `function` reaches `line` with its local `step` equal to `step`."""
+    sent = []
+
+    def local(frame, event, arg):
+        if event == "line" and frame.f_lineno == line and frame.f_locals.get("step") == step and not sent:
+            sent.append(line)
+            os.kill(os.getpid(), sig)
+        return local
+
+    sys.settrace(lambda frame, event, arg: local if frame.f_code is function.__code__ else None)
+    try:
+        yield sent
+    finally:
+        sys.settrace(None)

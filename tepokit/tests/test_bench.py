@@ -7,7 +7,7 @@ import pytest
 
 import tepo
 import train_small as ts
-from tepokit import bench
+from tepokit import bench, cli
 from tepokit.cli import parse_args
 from tepokit.tests.helpers import MICRO
 
@@ -76,7 +76,7 @@ def test_the_memory_runs_get_the_benchs_settings_on_their_command_line():
                                            "0.3", "--precision", "bf16", "--no-check-sampling-logprobs"])
     argv = [a for k, v in {**{f: getattr(args, f) for f in ("n_layer", "precision", "check_sampling_logprobs",
                                                             "objective")}, **overrides}.items()
-            for a in bench.flag_and_value(k, v)]
+            for a in cli.flag_and_value(k, v)]
     again, again_overrides = parse_args(ts.Args, argv)
     assert (again.n_layer, again.precision, again.objective) == (1, "bf16", "dapo")
     assert again.check_sampling_logprobs is False

@@ -131,6 +131,18 @@ def test_settings_the_objective_does_not_read_are_warned_about():
     assert parse_outcome(["--compare", "grpo,mpo", "--block-size", "8"]) == (None, [])
 
 
+def test_bf16_with_the_samplers_old_logprobs_is_warned_about_in_one_line():
+    """Allowed, but said: the later optimizer steps would clip on bf16 rounding. Not said when nothing
+    rounds (fp32), when they are recomputed (bf16's default), or when there is no later optimizer step."""
+    code, lines = parse_outcome(["--precision", "bf16", "--no-recompute-old-logprobs"])
+    assert code is None and len(lines) == 1 and "warning" in lines[0] and "3e-4" in lines[0], lines
+    for quiet in (["--no-recompute-old-logprobs"], ["--precision", "bf16"],
+                  ["--precision", "bf16", "--no-recompute-old-logprobs", "--mini-batches", "1"]):
+        assert parse_outcome(quiet) == (None, []), quiet
+    assert parse_outcome(["--precision", "bf16", "--no-recompute-old-logprobs", "--mini-batches", "1",
+                          "--epochs", "2"])[1] == lines
+
+
 def test_real_processes_refuse_in_one_line_and_create_nothing(tmp_path):
     for argv in (["--n-head", "0"], ["--lr=nan"], ["--n-embd", "30", "--n-head", "4"], ["--bogus"]):
         out = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True, timeout=180,

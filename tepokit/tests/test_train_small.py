@@ -44,6 +44,7 @@ def test_recomputed_logprobs_equal_sampling_logprobs():
     adv = torch.randn(6)
     keep = torch.ones(6, dtype=torch.bool)
     plan = ts.minibatch_plan(keep, args)
+    sampler = {key: batch[key].clone() for key in ("sampling_logp", "sampling_entropy")}
     results = {}
     for recompute in (True, False):
         run = micro_run(copy.deepcopy(base), tok, args, "grpo", recompute=recompute, beta=0.0)
@@ -51,6 +52,8 @@ def test_recomputed_logprobs_equal_sampling_logprobs():
         results[recompute] = stats, ts.update_policy(run, batch, stats, adv, plan)
     (recomputed, m_recomputed), (sampled, m_sampled) = results[True], results[False]
     mask = batch["completion_mask"].bool()
+    for key, values in sampler.items():          # the rollout's record stays the sampler's (not an alias of the
+        assert torch.equal(batch[key], values)   # old log-probs, which the first mini-batch replaces)
     assert (batch["sampling_logp"] - recomputed["old_logp"]).abs()[mask].max().item() < 1e-5
     assert (batch["sampling_entropy"] - recomputed["entropy"]).abs()[mask].max().item() < 1e-5
     assert (sampled["check"].before - recomputed["check"].before).abs().max().item() < 1e-4   # the check's logits
