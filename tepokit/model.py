@@ -11,7 +11,7 @@ import os
 import torch
 from tqdm.auto import tqdm
 
-from tepokit.errors import fail
+from tepokit.errors import fail, warn
 from tepokit.hub import cannot_load, use_offline_hub_if_unreachable, without_transformers_bars
 from tepokit.rundir import fingerprint, lock_file, save_pretrained_atomically
 from tepokit.task import format_prompt, task_fingerprint, task_seed
@@ -34,19 +34,24 @@ def build_char_tokenizer(texts, vocab_size: int | None = None):
                                    padding_side="left", clean_up_tokenization_spaces=False)
 
 
+def builtin_positions(args) -> int:
+    """The built-in model's positions: the longest prompt and the longest completion, and 8 to spare."""
+    return args.max_prompt_tokens + args.max_new_tokens + 8
+
+
 def tiny_model_config(args, tokenizer):
     """The built-in model's transformers config: GPT-2 or Qwen2 of the --n-layer/--n-embd/--n-head size."""
     from transformers import GPT2Config, Qwen2Config
     eos = tokenizer.eos_token_id
     common = dict(vocab_size=len(tokenizer), bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
     if args.arch == "gpt2":
-        return GPT2Config(n_positions=args.max_prompt_tokens + args.max_new_tokens + 8, n_embd=args.n_embd,
+        return GPT2Config(n_positions=builtin_positions(args), n_embd=args.n_embd,
                           n_layer=args.n_layer, n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
                           attn_pdrop=0.0, **common)
     return Qwen2Config(hidden_size=args.n_embd, intermediate_size=4 * args.n_embd,
                        num_hidden_layers=args.n_layer, num_attention_heads=args.n_head,
                        num_key_value_heads=args.n_head, tie_word_embeddings=True,
-                       max_position_embeddings=args.max_prompt_tokens + args.max_new_tokens + 8, **common)
+                       max_position_embeddings=builtin_positions(args), **common)
 
 
 def build_tiny_model(args, tokenizer):
@@ -129,19 +134,32 @@ def committed_start_model(args) -> str | None:
     return directory
 
 
-def sft_batch(tokenizer, questions, answers, device, max_prompt_tokens: int | None = None):
-    """Prompt + answer + end token, right-padded; labels only on answer and end tokens.
-
-    A prompt longer than max_prompt_tokens is cut from the left, as generation cuts it: load_task has
-    already left such questions out, and this bound keeps a batch's width, and so its memory, within
-    the budget whatever split it is given.
-    """
+def warmup_sequences(tokenizer, questions, answers, max_prompt_tokens: int | None = None) -> list[tuple]:
+    """What the warm-up trains on, uncut: (ids, labels) of prompt + answer + end token per row, the labels
+    -100 on the prompt. A prompt longer than max_prompt_tokens is cut from the left, as generation cuts it:
+    load_task has counted such questions, and this bound keeps a batch's width, and so its memory, within
+    the budget whatever split it is given."""
+    prompts = tokenizer([format_prompt(q) for q in questions]).input_ids          # one call for all rows
+    completions = tokenizer(list(answers), add_special_tokens=False).input_ids
     rows = []
-    for q, a in zip(questions, answers):
-        p = tokenizer(format_prompt(q)).input_ids
+    for p, c in zip(prompts, completions):
         p = p[-max_prompt_tokens:] if max_prompt_tokens else p
-        c = tokenizer(a, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        c = c + [tokenizer.eos_token_id]
         rows.append((p + c, [-100] * len(p) + c))
+    return rows
+
+
+def sft_batch(tokenizer, questions, answers, device, max_prompt_tokens: int | None = None,
+              max_positions: int | None = None):
+    """Prompt + answer + end token (warmup_sequences), right-padded; labels only on answer and end tokens.
+
+    A row longer than max_positions (the model's positions; the warm-up counts such rows,
+    warn_of_over_long_answers) keeps its first max_positions tokens: the answer's beginning, without an end
+    token, so the model is not taught to stop where the cut falls. A cut, not a refusal: the answer's text
+    serves the warm-up alone (rewards and evaluation read only its number).
+    """
+    rows = [(ids[:max_positions], labels[:max_positions])
+            for ids, labels in warmup_sequences(tokenizer, questions, answers, max_prompt_tokens)]
     width = max(len(ids) for ids, _ in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id)
     labels = torch.full((len(rows), width), -100)
@@ -151,8 +169,27 @@ def sft_batch(tokenizer, questions, answers, device, max_prompt_tokens: int | No
     return ids.to(device), attn.to(device), labels.to(device)
 
 
+def warmup_texts(split) -> list[str]:
+    """What the warm-up imitates: the built-in tasks' demonstrations (tepokit/task.py), or the answers."""
+    return list(split["demonstration"] if "demonstration" in split.column_names else split["answer"])
+
+
+def warn_of_over_long_answers(tokenizer, train_split, args) -> None:
+    """One warning line when some rows of prompt + answer + end token are longer than the built-in model's
+    positions (builtin_positions): sft_batch cuts them to fit, the same rows on every run."""
+    positions = builtin_positions(args)
+    lengths = [len(ids) for ids, _ in warmup_sequences(tokenizer, list(train_split["question"]),
+                                                        warmup_texts(train_split), args.max_prompt_tokens)]
+    over = sum(n > positions for n in lengths)
+    if over:
+        warn(f"warm-up: {over} of {len(lengths)} answers are longer than the built-in model's {positions} positions "
+             f"allow after their question (the longest needs {max(lengths)}); they are cut to fit "
+             "(positions: --max-prompt-tokens + --max-new-tokens + 8)")
+
+
 def supervised_warmup(model, tokenizer, train_split, args, device):
     """A short supervised phase so the policy starts with partial accuracy (RL needs some reward)."""
+    warn_of_over_long_answers(tokenizer, train_split, args)
     gen = torch.Generator().manual_seed(task_seed(args))
     opt = torch.optim.AdamW(model.parameters(), lr=args.warmup_lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.9 * s / max(1, args.warmup_steps))
@@ -161,8 +198,8 @@ def supervised_warmup(model, tokenizer, train_split, args, device):
     for _ in bar:
         idx = torch.randint(len(train_split), (args.warmup_batch,), generator=gen).tolist()
         rows = train_split.select(idx)
-        demos = rows["demonstration"] if "demonstration" in rows.column_names else rows["answer"]
-        ids, attn, labels = sft_batch(tokenizer, list(rows["question"]), list(demos), device, args.max_prompt_tokens)
+        ids, attn, labels = sft_batch(tokenizer, list(rows["question"]), warmup_texts(rows), device,
+                                      args.max_prompt_tokens, builtin_positions(args))
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -22,7 +22,7 @@ from tepokit.model import (START_MODEL_DIR, WARMUP_FILES, build_char_tokenizer, 
                            committed_start_model, eos_ids_of, is_complete_warmup, load_policy, prepare_start_model,
                            sft_batch, warmup_cache_dir)
 from tepokit.rundir import lock_file
-from tepokit.task import load_task
+from tepokit.task import format_prompt, load_task
 from tepokit.tests.helpers import MICRO, REPO, SCRIPT, hand_batch, micro_run, wait_until
 
 
@@ -180,6 +180,45 @@ def test_warm_up_batches_cut_an_over_long_prompt_from_the_left_to_the_budget():
     assert tok.decode(ids[0, :20]) == ("1" * 50_000 + " What is it?\n")[-20:]
     assert (labels[0, :20] == -100).all() and tok.decode(labels[0, 20:]) == answer + "<|endoftext|>"
     assert attn[1].sum() == len("What?\n") + len(answer) + 1               # the short row is not padded out
+
+
+def test_warm_up_batches_cut_a_row_longer_than_the_models_positions_at_its_end():
+    """A row of prompt + answer + end token longer than max_positions keeps its first max_positions tokens: the
+    answer's beginning, labelled, and no end token (the model is not taught to stop where the cut falls)."""
+    tok = build_char_tokenizer(["0123456789 What is it?\n#"])
+    long_answer = "1+1=2. " * 10 + "#### 2"
+    ids, attn, labels = sft_batch(tok, ["What is it?", "What?"], [long_answer, "#### 1"], torch.device("cpu"),
+                                  max_prompt_tokens=20, max_positions=30)
+    assert ids.shape == (2, 30) and attn[0].sum() == 30
+    assert tok.decode(ids[0]) == ("What is it?\n" + long_answer)[:30]
+    assert (labels[0, :12] == -100).all() and torch.equal(labels[0, 12:], ids[0, 12:])   # the answer, labelled
+    assert tok.eos_token_id not in labels[0].tolist()
+    assert attn[1].sum() == len("What?\n") + len("#### 1") + 1 and labels[1, attn[1].sum() - 1] == tok.eos_token_id
+
+
+def test_answers_longer_than_the_built_in_models_positions_are_counted_and_cut_for_the_warm_up(tmp_path, capsys):
+    """A user's JSONL with answers that do not fit the built-in model's positions after their question (MICRO:
+    256 + 12 + 8 = 276): the warm-up, the only part that trains on an answer's text (rewards and evaluation read
+    its number), cuts them to fit and says so in one warning line; the run goes through, with exit status 0.
+    Before, the warm-up stopped on an index error in the position embedding."""
+    rows = [{"question": f"What is {i} plus 1?", "answer": f"{i}+1={i + 1}\n#### {i + 1}"} for i in range(12)]
+    for i, repeats in ((2, 60), (5, 90), (9, 120)):               # 7 characters per repeat: 420 to 840
+        rows[i]["answer"] = "1+1=2. " * repeats + f"#### {i + 1}"
+    path = tmp_path / "long_answers.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    argv = [*MICRO, "--steps", "1", "--warmup-steps", "5", "--dataset", str(path), "--n-test", "4",
+            "--cache-dir", str(tmp_path / "cache")]
+    train = load_task(parse_args(ts.Args, argv)[0])["train"]
+    needed = [len(format_prompt(q)) + len(a) + 1 for q, a in zip(train["question"], train["answer"])]  # characters
+    over = sum(n > 276 for n in needed)
+    assert over >= 2                                               # the seeded held-out fifth left them in training
+    assert ts.main([*argv, "--out", str(tmp_path / "run")]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    warnings = [line for line in re.split(r"[\r\n]+", err) if "warning" in line or "error" in line]
+    assert warnings == [f"train_small.py: warning: warm-up: {over} of {len(train)} answers are longer than the "
+                        f"built-in model's 276 positions allow after their question (the longest needs "
+                        f"{max(needed)}); they are cut to fit (positions: --max-prompt-tokens + --max-new-tokens + 8)"]
 
 
 def test_main_command_starts_from_the_committed_model_and_checks_its_files(tmp_path, monkeypatch, capsys):

@@ -10,9 +10,11 @@ from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, Qwen2Con
 import tepo
 import train_small as ts
 from tepokit.forward import completion_logits
-from tepokit.model import build_char_tokenizer, build_tiny_model, tiny_model_config, use_fused_gelu
+from tepokit.model import (START_MODEL_DIR, build_char_tokenizer, build_tiny_model, load_policy, tiny_model_config,
+                           use_fused_gelu)
 from tepokit.sampling import (STACKED_LOGITS_MAX_BYTES, recompute_old_logprobs, sample_generate, sample_gpt2,
                               sampler_logprobs_wanted, uses_loop)
+from tepokit.task import make_arithmetic_task
 
 QUESTIONS = ["Ann has 3 pens and 4 more. How many?", "a?", "Bob has 12345 pens and 6789 more. How many pens?"]
 
@@ -108,6 +110,59 @@ def test_float64_and_bf16():
     same = greedy32["completion_ids"] == greedy16["completion_ids"]
     assert same[:, 0].all()                          # the first token of every row (then bf16 may diverge)
     assert (greedy32["logp"][:, 0] - greedy16["logp"][:, 0]).abs().max() < 0.1
+
+
+def whole_sequence_logits(model, batch: dict, precision: str) -> torch.Tensor:
+    """One forward pass over prompt + completion (no KV cache), under the run's autocast for `precision`: the
+    float32 logits at the positions that predict each completion token, the one before it.          [B, T, V]"""
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)               # [B, P+T]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        logits = model(input_ids=torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+                       attention_mask=attention, position_ids=(attention.cumsum(1) - 1).clamp(min=0)).logits
+    return logits[:, batch["prompt_ids"].shape[1] - 1:-1].float()                           # [B, T, V]
+
+
+# bf16 keeps 8 significant bits: a logit between 8 and 16 is stored to a step of 2^-4 = 0.0625, and two
+# computations of it (token by token with a KV cache, or the whole sequence at once) may round it to neighbouring
+# steps, which moves the token's log-prob by up to about that step. Measured on the 16 rows below (234 valid
+# tokens, torch 2.13, CPU), against the bf16 forward: largest gaps 0.033 (log-prob, at a sampled token whose
+# logit is 10.7) and 0.0071 (entropy). The bounds are about 4 times the measured gaps, max and mean; against fp32
+# looser still, since an fp32 forward also differs by the bf16 rounding of the weights, which a bf16 forward
+# shares (its mean gaps are larger).
+BF16_SAMPLING_BOUNDS = {      # (reference, quantity): (bound on the max gap, bound on the mean gap)
+    ("bf16", "logp"): (0.15, 0.005),       # measured: max 0.0335, mean 0.00116
+    ("bf16", "entropy"): (0.03, 0.002),    # measured: max 0.0071, mean 0.00039
+    ("fp32", "logp"): (0.2, 0.008),        # measured: max 0.0258, mean 0.00167
+    ("fp32", "entropy"): (0.05, 0.004),    # measured: max 0.0075, mean 0.00057
+}
+
+
+def test_bf16_sampling_is_a_whole_sequence_forward_at_every_position():
+    """--precision bf16 (CPU autocast, as the runs sample): the log-prob and entropy the sampler keeps for every
+    sampled token, at every valid completion position, against one forward pass over the whole sequence in bf16
+    (within bf16 rounding) and in fp32 (looser). The committed start model: trained, its distributions are far
+    from uniform, so a log-prob read one position off (from the logits at t instead of t - 1) is far outside
+    the bounds, which the test checks too."""
+    args = ts.Args(precision="bf16")                                # temperature 1, 24 new tokens
+    model, tok = load_policy(START_MODEL_DIR, args, torch.device("cpu"))
+    questions = list(make_arithmetic_task(15, n_train=40, n_test=4, seed=1)["test"]["question"])
+    torch.manual_seed(0)
+    batch = ts.generate_group(model, tok, questions, 4, args, torch.device("cpu"), want_logprobs=True)
+    valid = batch["completion_mask"].bool()                        # [B, T]
+    assert (batch["prompt_mask"] == 0).any() and valid.sum(1).min() < valid.shape[1]   # left padding; rows end
+    sampled = {"logp": batch["sampling_logp"], "entropy": batch["sampling_entropy"]}
+    for precision in ("bf16", "fp32"):
+        logits = whole_sequence_logits(model, batch, precision)                             # [B, T, V]
+        forward = {"logp": tepo.token_logprobs_from_logits(logits, batch["completion_ids"], args.temperature),
+                   "entropy": tepo.entropy_from_logits(logits, args.temperature)}
+        for quantity in ("logp", "entropy"):
+            gap = (sampled[quantity] - forward[quantity]).abs()[valid]
+            largest, mean = gap.max().item(), gap.mean().item()
+            max_bound, mean_bound = BF16_SAMPLING_BOUNDS[precision, quantity]
+            assert largest < max_bound and mean < mean_bound, (precision, quantity, largest, mean)
+    # one position off: token t's log-prob from the logits at t (which predict token t + 1)
+    one_off = tepo.token_logprobs_from_logits(logits[:, 1:], batch["completion_ids"][:, :-1], args.temperature)
+    assert (sampled["logp"][:, :-1] - one_off).abs()[valid[:, :-1]].mean() > 1.0       # measured: 8.1 nats
 
 
 @pytest.mark.parametrize("group_size, fused_gelu", [(1, False), (3, True)])

@@ -67,6 +67,68 @@ def test_recomputed_logprobs_equal_sampling_logprobs():
     assert m_sampled["loss"] == pytest.approx(m_recomputed["loss"], rel=1e-4, abs=1e-7)
 
 
+EPOCH_QUESTIONS = ["Ann has 3 pens. How many?", "a?", "Bob has 12 cups and 7 more. How many cups?", "Cal: 5 - 2?",
+                   "Dee has 4 bags of 6 eggs. How many eggs?", "9?", "Eve has 11 coins, gives 3. How many?", "2+2?"]
+
+
+@pytest.mark.parametrize("objective, overrides", [
+    ("grpo", dict(beta=0.0)), ("tepo", dict(entropy_criterion="measured", eps_low=0.05, eps_high=0.05))])
+def test_the_samplers_old_logprobs_make_the_recomputed_update_over_epochs_and_micro_batches(objective, overrides):
+    """2 epochs x 4 mini-batches of 2 groups of 3 rows, micro-batches of 4 rows (a group split across two),
+    float64: the sampler's old log-probs and entropies make the same 8 optimizer steps as recomputed ones.
+
+    The first mini-batch's rows take the policy's own forward (micro_batch_loss), and epoch 2 must reuse
+    those values. In float64 the sampler already equals the forward to ~1e-15, so neither a dropped nor a
+    misplaced replacement would show; the sampler's values of exactly those rows are therefore made wrong on
+    purpose (noise of std 0.02, valid tokens only) while every other row keeps its exact sampler values.
+    Correct code never trains on the noise: it is measured by the first mini-batch's log-ratio and then gone."""
+    args = ts.Args(n_layer=1, n_embd=16, n_head=2, temperature=0.9, max_new_tokens=8, prompts_per_step=8,
+                   group_size=3, mini_batches=4, epochs=2, micro_batch_size=4)
+    tok = build_char_tokenizer(EPOCH_QUESTIONS + ["0123456789 #"])
+    torch.manual_seed(0)
+    base = build_tiny_model(args, tok).double().eval()
+    from transformers import GenerationConfig
+    base.generation_config = GenerationConfig(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    batch = ts.generate_group(base, tok, EPOCH_QUESTIONS, 3, args, torch.device("cpu"), want_logprobs=True)
+    assert batch["sampling_logp"].dtype == F64 and (batch["prompt_mask"] == 0).any()
+    rows = batch["completion_ids"].shape[0]                                       # 24
+    adv = torch.randn(rows, dtype=F64, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(2)
+    plan = ts.minibatch_plan(torch.ones(rows, dtype=torch.bool), args)              # drawn once, used by both
+    assert [[len(micro) for micro in minibatch] for minibatch in plan] == [[4, 2]] * 8
+    first_minibatch = torch.zeros(rows, dtype=torch.bool)
+    first_minibatch[torch.cat(plan[0])] = True
+    made_wrong = batch["completion_mask"].bool() & first_minibatch[:, None]         # [B, T]
+    noise = 0.02 * torch.randn(made_wrong.shape, dtype=F64, generator=torch.Generator().manual_seed(3))
+    noise = noise * made_wrong
+    batch["sampling_logp"] = batch["sampling_logp"] + noise
+    batch["sampling_entropy"] = batch["sampling_entropy"] + noise
+    results = {}
+    for recompute in (True, False):
+        model = copy.deepcopy(base)
+        run = micro_run(model, tok, args, objective, recompute=recompute, **overrides)
+        run.optimizer = torch.optim.SGD(model.parameters(), lr=0.5)   # a step proportional to the gradient
+        stats = ts.rollout_statistics(run, batch, adv, plan, checked=False)
+        metrics = ts.update_policy(run, batch, stats, adv, plan)
+        results[recompute] = torch.cat([p.detach().flatten() for p in model.parameters()]), metrics, stats
+    (p_recomputed, m_recomputed, recomputed), (p_sampled, m_sampled, sampled) = results[True], results[False]
+    start = torch.cat([p.flatten() for p in base.parameters()])
+    assert (p_recomputed - start).abs().max() > 0.05                              # the 8 steps did move it
+    assert_close(p_sampled, p_recomputed, atol=1e-9, rtol=0)
+    valid = batch["completion_mask"].bool()
+    assert_close(sampled["old_logp"][valid], recomputed["old_logp"][valid], atol=1e-12, rtol=0)   # kept, replaced
+    if tepo.needs_entropy(objective, run.cfg):         # TEPO's measured criterion: old entropies likewise
+        assert_close(sampled["entropy"][valid], recomputed["entropy"][valid], atol=1e-12, rtol=0)
+    for key, value in m_recomputed.items():
+        if not key.startswith("logprobs/first_minibatch"):
+            assert m_sampled[key] == pytest.approx(value, abs=1e-9), key
+    assert m_recomputed["clip_ratio/region_mean"] > 0.1 and m_recomputed["on_policy"] == 1 / 8   # clipping acts
+    # what the first micro-batch measured before the replacement: the noise itself (0 when recomputed)
+    first_noise = noise[plan[0][0]].abs()[made_wrong[plan[0][0]]]
+    assert m_sampled["logprobs/first_minibatch_max_abs_log_ratio"] == pytest.approx(first_noise.max().item(), abs=1e-9)
+    assert m_recomputed["logprobs/first_minibatch_max_abs_log_ratio"] == 0.0
+
+
 @pytest.mark.parametrize("objective", sorted(tepo.OBJECTIVES))
 def test_two_steps_of_every_objective(objective, workdir):
     out = f"runs/e2e_{objective}"
