@@ -52,8 +52,9 @@ from tepokit.cli import objective_config
 from tepokit.errors import fail
 from tepokit.hub import without_transformers_bars
 from tepokit.model import prepare_start_model
-from tepokit.rundir import (check_same_run, claim_run_dir, newest_trl_checkpoint, read_log, run_identity, run_name,
-                            seed_everything, to_json, write_atomically, write_json)
+from tepokit.rundir import (CANNOT_RESUME, check_same_run, claim_run_dir, newest_whole_trl_checkpoint, read_log,
+                            run_identity, run_name, seed_everything, set_aside_trl_checkpoints, to_json,
+                            write_atomically, write_json)
 from tepokit.stop import StopSignals
 from tepokit.task import format_prompt, gold_answer, load_task, score_completions, task_fingerprint
 
@@ -276,7 +277,7 @@ def train(args, obj_overrides: dict, evaluate) -> dict:
 
     As with the built-in engine: the run directory is locked for the run's lifetime (main process), a stop
     signal ends the run at an RL step's end with a checkpoint and the command that resumes it, and
-    --resume continues from TRL's newest checkpoint (its trainer state holds the logs so far)."""
+    --resume continues from TRL's newest whole checkpoint (its trainer state holds the logs so far)."""
     import datasets
     from accelerate import PartialState
 
@@ -324,10 +325,11 @@ def train(args, obj_overrides: dict, evaluate) -> dict:
                 "grpo_config": json.loads(json.dumps(config.to_dict(), default=str))})
             before = {"step": 0, **evaluate(trainer.model, trainer.processing_class, test, args, device)}
             write_atomically(metrics_path, lambda f: f.write((to_json(before) + "\n").encode()))
+    resume_from = resume_checkpoint(run_dir, state, optimizer_steps) if args.resume else None
     with StopSignals(finish_step=True) as stop, without_transformers_bars(), warnings.catch_warnings():
         ignore_trls_checkpointing_warning()
         trainer.add_callback(StopAtStepEnd(stop, optimizer_steps, identity))
-        trainer.train(resume_from_checkpoint=newest_trl_checkpoint(run_dir)[0] if args.resume else None)
+        trainer.train(resume_from_checkpoint=resume_from)
     if not state.is_main_process:
         leave_process_group()
         return {"run_dir": run_dir}
@@ -353,6 +355,25 @@ def train(args, obj_overrides: dict, evaluate) -> dict:
         lock.close()
     leave_process_group()
     return summary
+
+
+def resume_checkpoint(run_dir: str, state, optimizer_steps: int) -> str:
+    """The checkpoint that --resume continues from, called by every process: the newest whole one
+    (rundir.newest_whole_trl_checkpoint; check_resumable has checked it). Newer incomplete ones, left by a
+    process killed while saving, are set aside (rundir.set_aside_trl_checkpoints) by the main process, which
+    holds the run directory's lock, once every process has chosen; one line says so."""
+    newest, skipped = newest_whole_trl_checkpoint(run_dir)
+    if newest is None:       # check_resumable found a whole one: only a change since then leaves none
+        fail(f"argument --resume: {run_dir} no longer holds a whole checkpoint-* directory; {CANNOT_RESUME}")
+    state.wait_for_everyone()              # no process may find a checkpoint renamed while it looks
+    if skipped and state.is_main_process:
+        set_aside = set_aside_trl_checkpoints([path for path, _ in skipped])
+        chosen, optimizer_step = newest
+        print("; ".join(f"{os.path.basename(path)} is incomplete ({why}), set aside as {os.path.basename(renamed)}"
+                        for (path, why), renamed in zip(skipped, set_aside))
+              + f"; resuming from {os.path.basename(chosen)}, RL step {optimizer_step // optimizer_steps}", flush=True)
+    state.wait_for_everyone()
+    return newest[0]
 
 
 def leave_process_group() -> None:

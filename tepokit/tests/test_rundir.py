@@ -377,3 +377,118 @@ def test_a_killed_writers_temporary_directory_goes_when_its_directory_is_written
     rundir.save_pretrained_atomically(model, build_char_tokenizer(["0123456789"]), str(tmp_path / "policy"))
     assert sorted(os.listdir(tmp_path)) == [".tmp-warmup-abc-killed", "policy"]
     assert os.path.isfile(tmp_path / "policy" / "model.safetensors")
+
+
+# ---- TRL's checkpoints: the newest WHOLE checkpoint-N is resumed -------------------------------------------
+def whole_trl_checkpoint(path):
+    """A checkpoint-N directory with every file --resume needs, as the Trainer writes them (tiny contents)."""
+    from safetensors.torch import save_file
+    os.makedirs(path)
+    save_file({"wte": torch.arange(12.0).view(4, 3), "wpe": torch.ones(2, 3)}, os.path.join(path, "model.safetensors"))
+    torch.save({"state": {0: {"exp_avg": torch.arange(1000.0)}}}, os.path.join(path, "optimizer.pt"))
+    torch.save({"last_epoch": 4}, os.path.join(path, "scheduler.pt"))
+    torch.save({"cpu": torch.get_rng_state()}, os.path.join(path, "rng_state.pth"))
+    Path(path, "trainer_state.json").write_text(json.dumps({"global_step": 4, "log_history": []}))
+    Path(path, "identity.json").write_text(json.dumps({"objective": "grpo"}))
+    Path(path, "tokenizer.json").write_text("not needed to resume, so not checked")
+    return str(path)
+
+
+def cut(path, keep):
+    """Keep the first `keep` bytes of a file (keep < 0: all but the last -keep), as a write killed midway."""
+    data = Path(path).read_bytes()
+    Path(path).write_bytes(data[:keep])
+
+
+def flip_a_byte_of_the_tensor(path):
+    """Change one byte inside the optimizer's tensor data, leaving the zip's structure intact."""
+    data = bytearray(Path(path).read_bytes())
+    start = bytes(data).find(torch.arange(1000.0).numpy().tobytes())
+    assert start > 0
+    data[start + 100] ^= 0xFF
+    Path(path).write_bytes(bytes(data))
+
+
+def two_processes_rng_states(d):
+    os.rename(os.path.join(d, "rng_state.pth"), os.path.join(d, "rng_state_0.pth"))
+    torch.save({"cpu": torch.get_rng_state()}, os.path.join(d, "rng_state_2.pth"))     # rng_state_1.pth lost
+
+
+def cut_scaler_state(d):
+    """scaler.pt (mixed precision only: optional), present but cut short: still a damaged checkpoint."""
+    torch.save({"scale": 1.0}, os.path.join(d, "scaler.pt"))
+    cut(os.path.join(d, "scaler.pt"), 100)
+
+
+TRL_CHECKPOINT_DAMAGE = {   # what happened: (how, the start of the phrase that names it)
+    "model cut short": (lambda d: cut(os.path.join(d, "model.safetensors"), -7), "model.safetensors is damaged ("),
+    "model cut inside its header": (lambda d: cut(os.path.join(d, "model.safetensors"), 20),
+                                    "model.safetensors is cut short (20 bytes, shorter than its header)"),
+    "model header garbled": (lambda d: Path(d, "model.safetensors").write_bytes(
+        (10).to_bytes(8, "little") + b"{not json}" + b"\0" * 40), "model.safetensors is damaged (its header does not "
+                                                                  "parse: JSONDecodeError)"),
+    "model missing": (lambda d: os.remove(os.path.join(d, "model.safetensors")), "model.safetensors is missing"),
+    "optimizer missing": (lambda d: os.remove(os.path.join(d, "optimizer.pt")), "optimizer.pt is missing"),
+    "optimizer cut short": (lambda d: cut(os.path.join(d, "optimizer.pt"), 3000),
+                            "optimizer.pt is damaged (BadZipFile: File is not a zip file)"),
+    "optimizer's data changed": (lambda d: flip_a_byte_of_the_tensor(os.path.join(d, "optimizer.pt")),
+                                 "optimizer.pt is damaged (checksum mismatch in "),
+    "scheduler missing": (lambda d: os.remove(os.path.join(d, "scheduler.pt")), "scheduler.pt is missing"),
+    "RNG state missing": (lambda d: os.remove(os.path.join(d, "rng_state.pth")), "rng_state.pth is missing"),
+    "one process's RNG state missing": (two_processes_rng_states, "rng_state_1.pth is missing"),
+    "trainer state cut short": (lambda d: cut(os.path.join(d, "trainer_state.json"), 10),
+                                "trainer_state.json is damaged (JSONDecodeError: "),
+    "identity missing": (lambda d: os.remove(os.path.join(d, "identity.json")), "identity.json is missing"),
+    "an optional file cut short": (cut_scaler_state, "scaler.pt is damaged (BadZipFile"),
+}
+
+
+def test_a_whole_trl_checkpoint_passes_the_check(tmp_path):
+    path = whole_trl_checkpoint(tmp_path / "checkpoint-4")
+    assert rundir.trl_checkpoint_problem(path) is None
+    size = os.path.getsize(os.path.join(path, "model.safetensors"))
+    cut(os.path.join(path, "model.safetensors"), -7)                       # the sizes are said as they are
+    expected = f"model.safetensors is damaged ({size - 7} bytes where its header says {size})"
+    assert rundir.trl_checkpoint_problem(path) == expected
+    two_processes = whole_trl_checkpoint(tmp_path / "checkpoint-8")       # rng_state_<process>.pth, all there
+    os.rename(os.path.join(two_processes, "rng_state.pth"), os.path.join(two_processes, "rng_state_0.pth"))
+    torch.save({"cpu": torch.get_rng_state()}, os.path.join(two_processes, "rng_state_1.pth"))
+    assert rundir.trl_checkpoint_problem(two_processes) is None
+
+
+@pytest.mark.parametrize("damage", list(TRL_CHECKPOINT_DAMAGE))
+def test_the_trl_checkpoint_check_names_the_missing_or_damaged_file(damage, tmp_path):
+    how, phrase = TRL_CHECKPOINT_DAMAGE[damage]
+    path = whole_trl_checkpoint(tmp_path / "checkpoint-4")
+    how(path)
+    problem = rundir.trl_checkpoint_problem(path)
+    assert problem is not None and problem.startswith(phrase), problem
+    assert "\n" not in problem
+
+
+def test_the_newest_whole_trl_checkpoint_is_chosen_by_step_and_set_aside_ones_are_invisible(tmp_path):
+    """checkpoint-10 is newer than checkpoint-2 (numbers, not letters); incomplete ones are skipped with the
+    reason, newest first; a renamed one (incomplete-checkpoint-N) and a file are not checkpoints, for
+    transformers' search either."""
+    from transformers.trainer_utils import get_last_checkpoint, sort_checkpoints
+    for step in (2, 4, 10, 12):
+        whole_trl_checkpoint(tmp_path / f"checkpoint-{step}")
+    os.remove(tmp_path / "checkpoint-12" / "identity.json")
+    cut(tmp_path / "checkpoint-10" / "optimizer.pt", 50)
+    Path(tmp_path, "checkpoint-20").write_text("a file, not a checkpoint")
+    newest, skipped = rundir.newest_whole_trl_checkpoint(str(tmp_path))
+    assert newest == (str(tmp_path / "checkpoint-4"), 4)
+    assert [(os.path.basename(p), why) for p, why in skipped] == [
+        ("checkpoint-12", "identity.json is missing"),
+        ("checkpoint-10", "optimizer.pt is damaged (BadZipFile: File is not a zip file)")]
+    assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-12")     # what TRL alone would take
+    set_aside = rundir.set_aside_trl_checkpoints([p for p, _ in skipped])
+    assert set_aside == [str(tmp_path / "incomplete-checkpoint-12"), str(tmp_path / "incomplete-checkpoint-10")]
+    assert rundir.newest_whole_trl_checkpoint(str(tmp_path)) == ((str(tmp_path / "checkpoint-4"), 4), [])
+    assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-4")
+    assert sorted(os.path.basename(p) for p in sort_checkpoints(str(tmp_path))) == ["checkpoint-2", "checkpoint-4"]
+    # a later incomplete checkpoint-12 replaces the one set aside before (neither is whole)
+    whole_trl_checkpoint(tmp_path / "checkpoint-12")
+    rundir.set_aside_trl_checkpoints([str(tmp_path / "checkpoint-12")])
+    assert rundir.trl_checkpoint_problem(str(tmp_path / "incomplete-checkpoint-12")) is None
+    assert not os.path.exists(tmp_path / "checkpoint-12")

@@ -6,19 +6,22 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 import tepo
 import train_small as ts
+from tepokit import rundir
 from tepokit.cli import parse_args
 from tepokit.model import prepare_start_model
 from tepokit.task import load_task
 from tepokit.tests.helpers import (MICRO, assert_refused_in_one_line, read_rows, rows_in, run_main, start_process,
-                                   wait_until)
+                                   wait_until, without_timing)
 
 
 TRL_PARITY = {   # case: (tepo objective, its config overrides, TRL's own loss settings)
@@ -192,6 +195,76 @@ def test_trl_engine_stops_on_sigterm_with_a_checkpoint_and_resumes_every_step_on
     run_main(["--resume", out, "--steps", str(stopped + 2)])                    # two more steps show it goes on
     rows = read_rows(out)
     assert [r["step"] for r in rows] == list(range(stopped + 3)) and "eval/accuracy" in rows[-1]
+
+
+@pytest.fixture(scope="module")
+def two_trl_checkpoints(trl_model):
+    """An --engine trl run of 2 RL steps with a checkpoint after each (checkpoint-2 and checkpoint-4: 2 optimizer
+    steps per RL step): its log and final policy are what a run resumed from checkpoint-2 must reproduce."""
+    out = "runs/trl_two_checkpoints"
+    run_main([*MICRO, "--engine", "trl", "--objective", "grpo", "--steps", "2", "--save-every", "1", "--out", out])
+    return out, read_rows(out), Path(out, "policy", "model.safetensors").read_bytes()
+
+
+def killed_while_saving(run_dir, out):
+    """A copy of a finished run as a kill leaves it: metrics.jsonl holds step 0 only (--engine trl writes the
+    rest at the end), no policy nor summary."""
+    shutil.copytree(run_dir, out, ignore=shutil.ignore_patterns(".lock", "policy", "summary.json"))
+    first_row = Path(out, "metrics.jsonl").read_text().splitlines()[0]
+    Path(out, "metrics.jsonl").write_text(first_row + "\n")
+
+
+def cut_in_half(path):
+    Path(path).write_bytes(Path(path).read_bytes()[:os.path.getsize(path) // 2])
+
+
+# a checkpoint-4 whose save was interrupted: the file the Trainer was writing is missing or cut short
+CHECKPOINT_CUT_OFF = {
+    "optimizer.pt missing": (lambda d: os.remove(d / "optimizer.pt"), "optimizer.pt is missing"),
+    "model.safetensors cut short": (lambda d: cut_in_half(d / "model.safetensors"), "model.safetensors is damaged ("),
+}
+
+
+@pytest.mark.parametrize("damage", list(CHECKPOINT_CUT_OFF))
+def test_trl_resume_falls_back_to_the_newest_whole_checkpoint(damage, two_trl_checkpoints, capsys):
+    """--resume skips the incomplete newest checkpoint in one line naming both, sets it aside (so the checkpoint-4
+    the resumed run writes is whole) and computes step 2 again from checkpoint-2: the log (all steps) and the
+    policy equal the uninterrupted run's. (Before, it refused the run or crashed in the Trainer.)"""
+    run_dir, uninterrupted_rows, uninterrupted_policy = two_trl_checkpoints
+    cut_off, phrase = CHECKPOINT_CUT_OFF[damage]
+    out = f"runs/trl_cut_off_{damage.split()[0]}"
+    killed_while_saving(run_dir, out)
+    cut_off(Path(out, "checkpoint-4"))
+    capsys.readouterr()
+    run_main(["--resume", out])
+    said = [line for line in capsys.readouterr().out.splitlines() if "incomplete" in line]
+    assert len(said) == 1, said
+    m = re.fullmatch(r"checkpoint-4 is incomplete \((.*)\), set aside as incomplete-checkpoint-4; resuming from "
+                     r"checkpoint-2, RL step 1", said[0])
+    assert m and m[1].startswith(phrase), said[0]
+    assert without_timing(read_rows(out)) == without_timing(uninterrupted_rows)
+    assert [r["step"] for r in read_rows(out)] == [0, 1, 2]
+    assert Path(out, "policy", "model.safetensors").read_bytes() == uninterrupted_policy
+    assert rundir.trl_checkpoint_problem(os.path.join(out, "checkpoint-4")) is None       # written again, whole
+    assert rundir.trl_checkpoint_problem(os.path.join(out, "incomplete-checkpoint-4")).startswith(phrase)
+
+
+def test_trl_resume_without_a_whole_checkpoint_is_one_line_and_changes_nothing(two_trl_checkpoints, capsys):
+    run_dir, _, _ = two_trl_checkpoints
+    out = "runs/trl_no_whole_checkpoint"
+    killed_while_saving(run_dir, out)
+    os.remove(os.path.join(out, "checkpoint-4", "identity.json"))
+    cut_in_half(os.path.join(out, "checkpoint-2", "optimizer.pt"))
+    before = {str(p): p.read_bytes() for p in sorted(Path(out).rglob("*")) if p.is_file()}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        ts.main(["--resume", out])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"train_small.py: error: argument --resume: no checkpoint-* directory of {out!r} is whole "
+                   f"(checkpoint-4: identity.json is missing; checkpoint-2: optimizer.pt is damaged (BadZipFile: "
+                   f"File is not a zip file)); start the run again with --out {out} --overwrite (nothing was changed)")
+    assert {str(p): p.read_bytes() for p in sorted(Path(out).rglob("*")) if p.is_file()} == before
 
 
 def test_trl_mpo_block_mean_counts_its_reference_kl_once_over_accumulated_micro_batches(trl_model, tmp_path):

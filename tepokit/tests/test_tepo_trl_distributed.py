@@ -3,12 +3,14 @@
 metrics are those of the global batch; a token count that is not gathered over processes breaks it."""
 import json
 import os
+import statistics
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from tepokit import rundir
 from tepokit.tests.fixed_batch_step import expected_reward_mean, one_step, save_tiny_model
 from tepokit.tests.helpers import MICRO, REPO, SCRIPT
 
@@ -23,6 +25,11 @@ PARAMETER_ATOL = 1e-6                          # float32; measured differences a
 # the loss is a sum of terms of either sign (about 0.05 each) and can be near 0: an absolute float32 bound too
 LOSS_TOLERANCE = dict(rel=1e-6, abs=1e-7)
 TOKEN_MEANS = ("clip_ratio/region_mean", "kl_old/k1", "entropy")      # means over valid tokens
+# a folder whose sitecustomize.py makes each process write down what its reward function scored
+RECORD_SCORES = os.path.join(os.path.dirname(__file__), "record_scores")
+# what a run of one RL step leaves (the Trainer saves a checkpoint at its last step), written by the main process
+# but for rng_state_1.pth, process 1's RNG state in the checkpoint
+RUN_DIRECTORY_FILES = [".lock", "README.md", "checkpoint-2", "config.json", "metrics.jsonl", "policy", "summary.json"]
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +47,13 @@ def one_process(model_dir, tmp_path_factory):
             for objective, micro_batch in REFERENCE_MICRO_BATCH.items()}
 
 
-def torchrun_two_processes(argv, cwd):
+def torchrun_two_processes(argv, cwd, env=None, pythonpath=()):
     """`torchrun --standalone --nproc_per_node 2 <argv>` on the CPU (gloo); --standalone picks a free port for
-    the rendezvous. Bounded: a process that waits for a dead peer would otherwise hang the tests."""
+    the rendezvous. Bounded: a process that waits for a dead peer would otherwise hang the tests. `env` and
+    `pythonpath` (folders put first) are added to this process's environment."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *argv]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}),
+           "PYTHONPATH": os.pathsep.join(filter(None, [*pythonpath, REPO, os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
@@ -115,15 +123,53 @@ def test_a_per_process_token_count_breaks_the_step(one_process, two_processes):
     assert two["log"]["loss"] != pytest.approx(one["log"]["loss"], rel=1e-4)
 
 
-def test_train_small_engine_trl_under_torchrun_is_one_run_in_two_processes(tmp_path):
-    """The scale-out command on the CPU: one run (one summary, one log), whose rollout of 2 x 4 completions is
-    split into 4 rows per process. (Before accelerate was told cpu=True, each process ran alone as process 0
-    and the second was refused the run directory the first held.) No warm-up: only the processes matter."""
+def test_train_small_engine_trl_under_torchrun_is_one_run_that_logs_the_global_rollout(tmp_path):
+    """The scale-out command of docs/scaling-out.md on the CPU, one whole RL step, generation included. One run:
+    process 0 holds the run directory's lock and writes it (one summary, one log); the rollout of R = 2 prompts
+    x 4 completions is split into 4 per process; and the logged step holds the metrics of all 8 completions, not
+    of one process's 4, checked against what each process's reward function scored (written down by
+    record_scores/sitecustomize.py, outside the code under test). A longer warm-up gives mixed rewards, so that
+    the metrics of one process's half would differ. (Before accelerate was told cpu=True, each process
+    ran alone as process 0 and the second was refused the run directory the first held.)"""
     pytest.importorskip("trl")
-    done = torchrun_two_processes([SCRIPT, *MICRO, "--warmup-steps", "0", "--engine", "trl", "--objective", "tepo",
-                                   "--steps", "1", "--save-every", "100", "--out", "runs/two"], cwd=tmp_path)
-    assert done.stdout.count("held-out accuracy") == 1
-    trl_config = json.load(open(tmp_path / "runs" / "two" / "config.json"))["grpo_config"]
+    record = tmp_path / "scores"
+    record.mkdir()
+    done = torchrun_two_processes([SCRIPT, *MICRO, "--warmup-steps", "300", "--threads", "1", "--engine", "trl",
+                                   "--objective", "tepo", "--steps", "1", "--save-every", "100", "--out", "runs/two"],
+                                  cwd=tmp_path, env={"TEPO_RECORD_SCORES": str(record)}, pythonpath=[RECORD_SCORES])
+    run_dir = tmp_path / "runs" / "two"                  # torchrun exits 0: so did both processes
+    assert done.stdout.count("held-out accuracy") == 1 and "Traceback" not in done.stderr
+    # each process scored its own 4 completions, once: the rollout of one RL step
+    scored = [[json.loads(line) for line in open(record / f"process_{rank}.jsonl")] for rank in (0, 1)]
+    assert [len(calls) for calls in scored] == [1, 1]
+    shares = [calls[0] for calls in scored]                  # in the global order: process 0's rows first
+    assert [len(share["texts"]) for share in shares] == [4, 4] and shares[0]["pid"] != shares[1]["pid"]
+    assert open(run_dir / ".lock").read().strip() == str(shares[0]["pid"])     # process 0 owns the directory
+    assert sorted(os.listdir(run_dir)) == RUN_DIRECTORY_FILES
+    checkpoint = run_dir / "checkpoint-2"
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(os.listdir(checkpoint)) and not os.path.exists(
+        checkpoint / "rng_state.pth")
+    assert rundir.trl_checkpoint_problem(str(checkpoint)) is None       # whole, as --resume checks it
+    trl_config = json.load(open(run_dir / "config.json"))["grpo_config"]
     assert trl_config["per_device_train_batch_size"] * trl_config["steps_per_generation"] == 4
-    rows = [json.loads(line) for line in open(tmp_path / "runs" / "two" / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == [0, 1] and "reward" in rows[1] and "eval/accuracy" in rows[1]
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1] and "eval/accuracy" in rows[1]
+    # the logged metrics are the 8 completions': rewards (--reward lenient), their spread and the accuracies
+    rewards = shares[0]["lenient"] + shares[1]["lenient"]
+    assert len(set(rewards)) == 2                   # mixed: one process's 4 give another mean or another spread
+    for share in shares:
+        half = share["lenient"]
+        assert (statistics.mean(half), statistics.stdev(half)) != pytest.approx(
+            (statistics.mean(rewards), statistics.stdev(rewards)))
+    logged = rows[1]
+    assert logged["reward"] == pytest.approx(statistics.mean(rewards), abs=1e-6)
+    assert logged["reward_std"] == pytest.approx(statistics.stdev(rewards), abs=1e-6)
+    assert logged["accuracy/lenient"] == pytest.approx(statistics.mean(rewards), abs=1e-6)
+    assert logged["accuracy/strict"] == pytest.approx(statistics.mean(shares[0]["strict"] + shares[1]["strict"]),
+                                                      abs=1e-6)
+    # groups are 4 consecutive rows of the global order (one prompt, one gold answer), whichever process holds them
+    golds = shares[0]["golds"] + shares[1]["golds"]
+    groups = [range(start, start + 4) for start in (0, 4)]
+    assert all(len({golds[i] for i in group}) == 1 for group in groups)
+    zero_spread = [float(len({rewards[i] for i in group}) == 1) for group in groups]
+    assert logged["frac_reward_zero_std"] == pytest.approx(statistics.mean(zero_spread))
