@@ -39,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import warnings
 from decimal import Decimal
 
@@ -53,9 +52,9 @@ from tepokit.errors import fail
 from tepokit.hub import without_transformers_bars
 from tepokit.model import prepare_start_model
 from tepokit.rundir import (CANNOT_RESUME, check_same_run, claim_run_dir, newest_whole_trl_checkpoint, read_log,
-                            run_identity, run_name, seed_everything, set_aside_trl_checkpoints, to_json,
-                            write_atomically, write_json)
-from tepokit.stop import StopSignals
+                            run_identity, run_name, save_pretrained_atomically, seed_everything,
+                            set_aside_trl_checkpoints, to_json, write_atomically, write_json)
+from tepokit.stop import Stopped, StopSignals
 from tepokit.task import format_prompt, gold_answer, load_task, score_completions, task_fingerprint
 
 TRL_TESTED = "1.16"
@@ -326,34 +325,38 @@ def train(args, obj_overrides: dict, evaluate) -> dict:
             before = {"step": 0, **evaluate(trainer.model, trainer.processing_class, test, args, device)}
             write_atomically(metrics_path, lambda f: f.write((to_json(before) + "\n").encode()))
     resume_from = resume_checkpoint(run_dir, state, optimizer_steps) if args.resume else None
-    with StopSignals(finish_step=True) as stop, without_transformers_bars(), warnings.catch_warnings():
-        ignore_trls_checkpointing_warning()
-        trainer.add_callback(StopAtStepEnd(stop, optimizer_steps, identity))
-        trainer.train(resume_from_checkpoint=resume_from)
-    if not state.is_main_process:
-        leave_process_group()
-        return {"run_dir": run_dir}
-    rows = [before] + [{"step": h["step"] // optimizer_steps, **{k: v for k, v in h.items() if k != "step"}}
-                       for h in trainer.state.log_history if "reward" in h]
-    if stop.requested:                 # TRL saved a checkpoint at this step's end
+    # The stop signals are recorded until the summary is written: training stops at an RL step's end with a
+    # checkpoint (StopAtStepEnd); a signal during the last step, the final save or the summary waits for them.
+    with StopSignals(finish_step=True) as stop:
+        with without_transformers_bars(), warnings.catch_warnings():
+            ignore_trls_checkpointing_warning()
+            trainer.add_callback(StopAtStepEnd(stop, optimizer_steps, identity))
+            trainer.train(resume_from_checkpoint=resume_from)
+        step = trainer.state.global_step // optimizer_steps      # the RL step TRL stopped after
+        if not state.is_main_process:
+            leave_process_group()
+            return {"run_dir": run_dir}
+        rows = [before] + [{"step": h["step"] // optimizer_steps, **{k: v for k, v in h.items() if k != "step"}}
+                           for h in trainer.state.log_history if "reward" in h]
+        if step < args.steps:          # stopped by a signal: TRL saved a checkpoint at this step's end
+            write_atomically(metrics_path, lambda f: f.write("".join(to_json(r) + "\n" for r in rows).encode()))
+            leave_process_group()
+            raise Stopped(stop.signum, f"stopped after step {step}, which is checkpointed; resume with: python "
+                                       f"train_small.py --resume {run_dir}")
+        save_pretrained_atomically(trainer.model, trainer.processing_class, os.path.join(run_dir, "policy"))
+        after = evaluate(trainer.model, trainer.processing_class, test, args, device)
+        rows[-1].update(after)
         write_atomically(metrics_path, lambda f: f.write("".join(to_json(r) + "\n" for r in rows).encode()))
-        print(f"{stop.name}: stopped after step {rows[-1]['step']}; resume with: python train_small.py --resume "
-              f"{run_dir}", file=sys.stderr)
+        summary = {"run_dir": run_dir, "engine": "trl", "objective": args.objective, "seed": args.seed,
+                   "start_accuracy": before["eval/accuracy"], "final_accuracy": after["eval/accuracy"],
+                   "gain_points": 100 * (after["eval/accuracy"] - before["eval/accuracy"])}
+        write_json(os.path.join(run_dir, "summary.json"), summary)
+        print(f"held-out accuracy {summary['start_accuracy']:.3f} -> {summary['final_accuracy']:.3f}; {run_dir}")
+        if lock is not None:
+            lock.close()
         leave_process_group()
-        raise SystemExit(stop.exit_status)
-    with without_transformers_bars():
-        trainer.save_model(os.path.join(run_dir, "policy"))
-    after = evaluate(trainer.model, trainer.processing_class, test, args, device)
-    rows[-1].update(after)
-    write_atomically(metrics_path, lambda f: f.write("".join(to_json(r) + "\n" for r in rows).encode()))
-    summary = {"run_dir": run_dir, "engine": "trl", "objective": args.objective, "seed": args.seed,
-               "start_accuracy": before["eval/accuracy"], "final_accuracy": after["eval/accuracy"],
-               "gain_points": 100 * (after["eval/accuracy"] - before["eval/accuracy"])}
-    write_json(os.path.join(run_dir, "summary.json"), summary)
-    print(f"held-out accuracy {summary['start_accuracy']:.3f} -> {summary['final_accuracy']:.3f}; {run_dir}")
-    if lock is not None:
-        lock.close()
-    leave_process_group()
+        if stop.requested:             # it came during the last step, the final save or the summary
+            raise Stopped(stop.signum, f"stopped after step {step}, the last: the run is complete in {run_dir}")
     return summary
 
 

@@ -18,10 +18,11 @@ import tepo
 import train_small as ts
 from tepokit import rundir
 from tepokit.cli import parse_args
+from tepokit.stop import Stopped
 from tepokit.model import prepare_start_model
 from tepokit.task import load_task
-from tepokit.tests.helpers import (MICRO, assert_refused_in_one_line, read_rows, rows_in, run_main, start_process,
-                                   wait_until, without_timing)
+from tepokit.tests.helpers import (MICRO, assert_refused_in_one_line, line_of, read_rows, rows_in, run_main,
+                                   signal_at, start_process, wait_until, without_timing)
 
 
 TRL_PARITY = {   # case: (tepo objective, its config overrides, TRL's own loss settings)
@@ -186,8 +187,8 @@ def test_trl_engine_stops_on_sigterm_with_a_checkpoint_and_resumes_every_step_on
     process.send_signal(signal.SIGTERM)
     stderr = process.communicate(timeout=300)[1]
     assert process.returncode == 143, stderr
-    m = re.fullmatch(rf"SIGTERM: stopped after step (\d+); resume with: python train_small.py --resume {out}",
-                     stderr.strip().splitlines()[-1])
+    m = re.fullmatch(rf"train_small.py: SIGTERM: stopped after step (\d+), which is checkpointed; resume with: "
+                     rf"python train_small.py --resume {out}", stderr.strip().splitlines()[-1])
     assert m and "Traceback" not in stderr, stderr
     stopped = int(m[1])
     assert 0 < stopped < 400 and [r["step"] for r in read_rows(out)] == list(range(stopped + 1))
@@ -265,6 +266,21 @@ def test_trl_resume_without_a_whole_checkpoint_is_one_line_and_changes_nothing(t
                    f"(checkpoint-4: identity.json is missing; checkpoint-2: optimizer.pt is damaged (BadZipFile: "
                    f"File is not a zip file)); start the run again with --out {out} --overwrite (nothing was changed)")
     assert {str(p): p.read_bytes() for p in sorted(Path(out).rglob("*")) if p.is_file()} == before
+
+
+def test_trl_engine_honours_a_signal_during_its_final_save_after_the_summary(trl_model):
+    """SIGTERM while --engine trl saves its final policy: the policy, the log and summary.json are written,
+    then the run stops with 143 and says it is complete (the signal was once recorded and dropped)."""
+    out = "runs/trl_final_signal"
+    from tepokit import tepo_trl
+    with signal_at(tepo_trl.train, line_of(tepo_trl.train, "save_pretrained_atomically(trainer.model"), step=2), \
+            pytest.raises(Stopped) as stop:
+        ts.main([*MICRO, "--engine", "trl", "--objective", "grpo", "--steps", "2", "--save-every", "100",
+                 "--out", out])
+    assert stop.value.exit_status == 143
+    assert stop.value.message == f"stopped after step 2, the last: the run is complete in {out}"
+    assert [r["step"] for r in read_rows(out)] == [0, 1, 2] and "eval/accuracy" in read_rows(out)[-1]
+    assert Path(out, "summary.json").exists() and Path(out, "policy", "model.safetensors").exists()
 
 
 def test_trl_mpo_block_mean_counts_its_reference_kl_once_over_accumulated_micro_batches(trl_model, tmp_path):
