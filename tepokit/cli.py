@@ -505,6 +505,9 @@ def resume_args(args, obj_overrides: dict, given: set[str], saved: dict,
     if steps < checkpoint_step:
         fail(f"argument --steps: invalid value {steps}; choose an integer >= {checkpoint_step}, the step of "
              f"{run_dir}'s checkpoint")
+    if saved_args.engine == "trl" and steps == checkpoint_step:     # TRL's Trainer would train one step more
+        fail(f"argument --resume: {run_dir} (--engine trl) is checkpointed at its last step, {steps}: nothing is "
+             f"left to train; extend it with --resume {run_dir} --steps {steps + 1} or more (nothing was changed)")
     run_only = {k: getattr(args, k) for k in RUN_ONLY_FIELDS}
     return (dataclasses.replace(saved_args, **{**run_only, "steps": steps, "out": run_dir}),
             dict(saved["objective_overrides"]))

@@ -97,12 +97,15 @@ def measured_runs(tmp_path_factory):
             f.write(json.dumps({"question": f"Ann has {i} pens and gets {i + 1} more. How many pens now?",
                                 "answer": f"#### {2 * i + 1}"}) + "\n")
     model_dir = make_model_dir(d / "model", QWEN_VOCAB)
-    return {(prompts, micro): measured_run(model_dir, str(d / "data.jsonl"), str(d / f"p{prompts}m{micro}"),
-                                           prompts, micro)
+    # The three processes run at once, one thread each: a process's peak is its own, and the suite waits for
+    # the slowest instead of the sum.
+    runs = {(prompts, micro): start_measured_run(model_dir, str(d / "data.jsonl"), str(d / f"p{prompts}m{micro}"),
+                                                 prompts, micro)
             for prompts, micro in ((4, 4), (8, 4), (2, 8))}
+    return {config: measured_peak(*run) for config, run in runs.items()}
 
 
-def measured_run(model_dir: str, data: str, out: str, prompts: int, micro: int) -> tuple[float, float]:
+def start_measured_run(model_dir: str, data: str, out: str, prompts: int, micro: int) -> tuple:
     argv = [sys.executable, SCRIPT, "--model", model_dir, "--dataset", data, "--objective", "grpo", "--beta", "0",
             "--steps", "2", "--prompts-per-step", str(prompts), "--group-size", "4", "--mini-batches", "1",
             "--micro-batch-size", str(micro), "--max-new-tokens", "16", "--overlong-cache", "4",
@@ -110,11 +113,16 @@ def measured_run(model_dir: str, data: str, out: str, prompts: int, micro: int) 
             "--eval-every", "100", "--entropy-check-rows", "4", "--no-check-sampling-logprobs", "--threads", "1",
             "--out", out]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_TRIM_THRESHOLD_": "1048576"}
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env)
-    assert r.returncode == 0, r.stderr[-2000:]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env), out
+
+
+def measured_peak(process, out: str) -> tuple[float, float]:
+    """(measured peak minus the memory before the model, printed estimate), MiB, of a finished run."""
+    stdout, stderr = process.communicate(timeout=900)
+    assert process.returncode == 0, stderr[-2000:]
     rows = read_rows(out)
     peak = max(row["perf/peak_memory_mb"] for row in rows[1:]) - rows[0]["memory/process_before_model_mb"]
-    estimate = float(re.search(r"estimated peak \(\w+\)\s+([\d.]+) GiB", r.stdout).group(1)) * 1024
+    estimate = float(re.search(r"estimated peak \(\w+\)\s+([\d.]+) GiB", stdout).group(1)) * 1024
     return peak, estimate
 
 

@@ -15,27 +15,30 @@ from tepokit.tests.helpers import (MICRO, assert_whole_rows_without_duplicates, 
                                    signal_at, start_process, wait_until)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
-def test_a_stop_signal_finishes_the_step_and_resume_logs_every_step_once(sig, workdir):
-    out = f"runs/{sig.name}"
-    process = start_process([*MICRO, "--objective", "grpo", "--steps", "12", "--out", out])
-    wait_until(lambda: rows_in(out) >= 2, process)
-    process.send_signal(sig)
-    stderr = process.communicate(timeout=120)[1]
-    assert process.returncode == 128 + sig, stderr                  # 130, 143, 129: the shell's convention
-    last = stderr.strip().splitlines()[-1]
-    m = re.fullmatch(rf"train_small.py: {sig.name}: stopped after step (\d+), which is checkpointed; resume with: "
-                  rf"python train_small.py --resume {out}", last)
-    assert m and "Traceback" not in stderr, stderr
-    stopped = int(m[1])
-    assert stopped < 12, "the run ended before the signal arrived: the test did not test anything"
-    assert_whole_rows_without_duplicates(out)
-    assert rows_in(out) == stopped + 1                                  # the step's row was flushed
-    assert torch.load(Path(out, "checkpoint.pt"), weights_only=True)["step"] == stopped
-    run_main(["--resume", out])
-    assert [r["step"] for r in read_rows(out)] == list(range(13))      # every step once, in order
-    assert Path(out, "summary.json").exists()
-
+def test_a_stop_signal_finishes_the_step_and_resume_logs_every_step_once(workdir):
+    """SIGINT, SIGTERM and SIGHUP, each to a real run (the three run at once, to keep the suite short)."""
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    processes = {sig: start_process([*MICRO, "--objective", "grpo", "--steps", "12", "--threads", "1",
+                                     "--out", f"runs/{sig.name}"]) for sig in signals}
+    for sig, process in processes.items():
+        wait_until(lambda: rows_in(f"runs/{sig.name}") >= 2, process)
+        process.send_signal(sig)
+    for sig, process in processes.items():
+        out = f"runs/{sig.name}"
+        stderr = process.communicate(timeout=120)[1]
+        assert process.returncode == 128 + sig, stderr                  # 130, 143, 129: the shell's convention
+        last = stderr.strip().splitlines()[-1]
+        m = re.fullmatch(rf"train_small.py: {sig.name}: stopped after step (\d+), which is checkpointed; resume "
+                         rf"with: python train_small.py --resume {out}", last)
+        assert m and "Traceback" not in stderr, stderr
+        stopped = int(m[1])
+        assert stopped < 12, "the run ended before the signal arrived: the test did not test anything"
+        assert_whole_rows_without_duplicates(out)
+        assert rows_in(out) == stopped + 1                                  # the step's row was flushed
+        assert torch.load(Path(out, "checkpoint.pt"), weights_only=True)["step"] == stopped
+        run_main(["--resume", out])
+        assert [r["step"] for r in read_rows(out)] == list(range(13))      # every step once, in order
+        assert Path(out, "summary.json").exists()
 
 
 # Where a signal can land at a run's end: (line of train_small.train, the step at which it is sent). Step 2 of 3

@@ -268,6 +268,22 @@ def test_trl_resume_without_a_whole_checkpoint_is_one_line_and_changes_nothing(t
     assert {str(p): p.read_bytes() for p in sorted(Path(out).rglob("*")) if p.is_file()} == before
 
 
+def test_trl_resume_of_a_run_checkpointed_at_its_last_step_is_refused_in_one_line(two_trl_checkpoints, capsys):
+    """TRL's Trainer, resumed from its last step's checkpoint, trains one optimizer step more (and logged a
+    half step): nothing is left to train, so --resume says how to extend the run instead, and changes nothing."""
+    run_dir, rows, _ = two_trl_checkpoints
+    before = {str(p): p.read_bytes() for p in sorted(Path(run_dir).rglob("*")) if p.is_file() and p.name != ".lock"}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        ts.main(["--resume", run_dir])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"train_small.py: error: argument --resume: {run_dir} (--engine trl) is checkpointed at its last step, 2: "
+        f"nothing is left to train; extend it with --resume {run_dir} --steps 3 or more (nothing was changed)")
+    assert {str(p): p.read_bytes() for p in sorted(Path(run_dir).rglob("*"))
+            if p.is_file() and p.name != ".lock"} == before
+
+
 def test_trl_engine_honours_a_signal_during_its_final_save_after_the_summary(trl_model):
     """SIGTERM while --engine trl saves its final policy: the policy, the log and summary.json are written,
     then the run stops with 143 and says it is complete (the signal was once recorded and dropped)."""
