@@ -81,6 +81,7 @@ from tepokit.forward import (completion_logits, precision_noise_floor, rows_per_
 from tepokit.kl_mask_log import KLMaskDetails  # noqa: E402
 from tepokit.memory import check_memory, peak_memory_mb, process_memory_mb, reset_peak_memory  # noqa: E402
 from tepokit.model import eos_ids_of, load_policy, pick_device, prepare_start_model  # noqa: E402
+from tepokit.report import Trackers, trackers_of  # noqa: E402
 from tepokit.sampling import recompute_old_logprobs, sample, sampler_logprobs_wanted  # noqa: E402
 from tepokit.stats import mean_pass_at_k  # noqa: E402
 from tepokit.task import format_prompt, gold_answer, load_task, score_completions, task_fingerprint  # noqa: E402
@@ -154,6 +155,7 @@ class Args:
     entropy_check_rows: int = 64        # completions used for the predicted-vs-measured entropy check
     entropy_check_every: int = 4        # run the entropy check every N steps (it costs one extra forward)
     check_sampling_logprobs: bool = True  # with recomputed old log-probs: compare the sampler's with them
+    report_to: str = "none"             # live curves: none, tensorboard, trackio, wandb, or a list (tepokit/report.py)
     target_accuracy: float = 0.40       # --compare: steps needed to reach this held-out accuracy
     # --- modes ---
     resume: str | None = None           # continue the run in this directory from its checkpoint
@@ -537,6 +539,7 @@ class Run:
     details_path: str | None            # details.jsonl, TEPO only
     recompute: bool                     # old log-probs by a forward pass (sampling.recompute_old_logprobs)
     sampler_logprobs: bool              # the sampler gives log-probs (sampling.sampler_logprobs_wanted)
+    trackers: Trackers                  # --report-to: every metrics.jsonl row also goes there, live
 
 
 def train(args: Args, obj_overrides: dict) -> dict:
@@ -548,7 +551,7 @@ def train(args: Args, obj_overrides: dict) -> dict:
     last_step = args.steps if args.stop_after is None else min(args.steps, args.stop_after)
     bar = tqdm(range(run.first_step, last_step + 1), initial=run.first_step - 1, total=last_step,
                desc=f"{args.objective} seed {args.seed}", dynamic_ncols=True)
-    with run.lock, StopSignals(finish_step=True) as stop:
+    with run.lock, run.trackers, StopSignals(finish_step=True) as stop:
         for step in bar:
             t0 = time.time()
             row, details_row = rl_step(run, step)
@@ -560,6 +563,7 @@ def train(args: Args, obj_overrides: dict) -> dict:
             row.update({"timing/eval": time.time() - t0 - row["step_time"], "step_time": time.time() - t0,
                         "perf/peak_memory_mb": peak_memory_mb(run.device)})
             rundir.append_row(os.path.join(run.run_dir, "metrics.jsonl"), row)
+            run.trackers.log(row)
             if details_row is not None:
                 rundir.append_row(run.details_path, details_row)
             bar.set_postfix({"reward": f"{row['reward']:.2f}", "H": f"{row['entropy']:.3f}"})
@@ -628,7 +632,9 @@ def start_run(args: Args, obj_overrides: dict) -> Run:
               train_set=task["train"], test_set=task["test"].select(range(min(args.n_test, len(task["test"])))),
               first_step=1, details_path=os.path.join(run_dir, "details.jsonl") if args.objective == "tepo" else None,
               recompute=recompute_old_logprobs(args, model.config),
-              sampler_logprobs=sampler_logprobs_wanted(args, model.config))
+              sampler_logprobs=sampler_logprobs_wanted(args, model.config),
+              trackers=Trackers(trackers_of(args.report_to), run_dir,
+                                {**dataclasses.asdict(args), **dataclasses.asdict(cfg)}))
     logs = [p for p in (os.path.join(run_dir, "metrics.jsonl"), run.details_path) if p is not None]
     rundir.seed_everything(args.seed)
     if resume_dir:
@@ -648,6 +654,7 @@ def start_run(args: Args, obj_overrides: dict) -> Run:
             open(path, "w").close()
         start = evaluate(model, tokenizer, run.test_set, args, device)
         rundir.append_row(logs[0], {"step": 0, **start, "memory/process_before_model_mb": memory_before_model})
+        run.trackers.log({"step": 0, **start})
         print(f"step    0: held-out accuracy {start['eval/accuracy']:.3f}, pass@{args.pass_k} "
               f"{start[f'eval/pass@{args.pass_k}']:.3f} (the start model)", flush=True)
         rundir.save_checkpoint(run_dir, model, run.optimizer, 0, identity)

@@ -174,10 +174,10 @@ def save_gpt2_small(args, model_dir: str) -> str:
 def bench_args(args, out: str):
     """The bench's runs: --bench-steps timed steps after one untimed step, no evaluation beyond a token
     one at the start (the held-out set keeps its size: it is part of the task, and so of the start model),
-    no checkpoints, no entropy check (a measurement TRL does not make)."""
+    no checkpoints, no entropy check (a measurement TRL does not make), no tracker."""
     return dataclasses.replace(args, bench=False, out=out, steps=args.bench_steps + 1, eval_every=10**9,
                                save_every=10**9, pass_k=1, pass_k_problems=1, check_sampling_logprobs=False,
-                               entropy_check_every=10**9)
+                               entropy_check_every=10**9, report_to="none")
 
 
 def timed_steps(args, obj_overrides: dict, train, out: str) -> dict:
@@ -265,7 +265,7 @@ def print_phases(ours: dict, flops: dict, rate: float) -> None:
 
 # Settings of the bench's own run that the memory runs do not take over.
 NOT_PASSED_ON = ("bench", "bench_steps", "bench_repeats", "bench_shape", "out", "compare", "seeds", "resume",
-                 "overwrite", "steps", "eval_every")
+                 "overwrite", "steps", "eval_every", "report_to")
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_small.py")
 
 
@@ -304,6 +304,7 @@ def bench_trl_config(args, cfg: tepo.ObjectiveConfig, out: str) -> dict:
     return {**trl_settings(args, num_processes=1), "output_dir": out, "loss_type": "dapo",
             "beta": cfg.beta if tepo.needs_ref(args.objective, cfg) else 0.0,
             "max_steps": (args.bench_steps + 1) * optimizer_steps, "save_strategy": "no", "logging_steps": 1,
+            "report_to": "none",
             "use_cpu": pick_device(args).type == "cpu", "disable_tqdm": True}
 
 

@@ -18,13 +18,14 @@ import tepo
 from tepokit.errors import fail, warn
 from tepokit.forward import rows_per_minibatch
 from tepokit.helptext import CLI_HELP, EXAMPLES, HELP_GROUPS, field_comments, help_group, paper_values
+from tepokit.report import TRACKERS, check_installed, valid_report_to
 from tepokit.rundir import check_resumable, holds_a_run, lock_holder
 from tepokit.task import arithmetic_task_size, hidden_type_task_size
 
 # Fields of Args that only say how to run, not what is computed: they are not compared on resume.
 RUN_ONLY_FIELDS = ("resume", "stop_after", "compare", "seeds", "baseline", "bench", "bench_steps", "bench_repeats",
                    "bench_shape", "out", "threads",
-                   "cache_dir", "dry_run", "force", "overwrite")
+                   "cache_dir", "dry_run", "force", "overwrite", "report_to")
 
 
 # ---- valid values of every flag --------------------------------------------------------------------
@@ -182,6 +183,7 @@ VALID: dict[str, tuple] = {
     "pass_k_problems": at_least(1),
     "entropy_check_rows": at_least(0),
     "entropy_check_every": at_least(1),
+    "report_to": ("none, or a comma-separated list of: " + ", ".join(TRACKERS), valid_report_to, None),
     "target_accuracy": fraction(),
     # --- modes ---
     "resume": path("an existing run directory", os.path.isdir),
@@ -448,6 +450,7 @@ def parse_args(Args, argv=None) -> tuple:
         saved, checkpoint_step = check_resumable(args.resume, Args, RUN_ONLY_FIELDS)
         args, obj_overrides = resume_args(args, obj_overrides, set(given), saved, checkpoint_step)
     check_values(args, obj_overrides)
+    check_installed(args.report_to)
     for run_dir in {args.out, args.resume} - {None}:       # a live run's directory is refused at once
         holder = lock_holder(run_dir)
         if holder:

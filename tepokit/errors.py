@@ -7,6 +7,8 @@ import errno
 import os
 import sys
 
+from tqdm.auto import tqdm
+
 PROGRAM = "train_small.py"       # the command an error line names; python -m tepokit.plot sets its own
 
 
@@ -17,7 +19,8 @@ def fail(message: str) -> None:
 
 
 def warn(message: str) -> None:
-    print(f"{PROGRAM}: warning: {message}", file=sys.stderr)
+    """One line on stderr, above a progress bar if one is drawn (tqdm.write moves the bar below it)."""
+    tqdm.write(f"{PROGRAM}: warning: {message}", file=sys.stderr)
 
 
 def first_line(e: BaseException) -> str:

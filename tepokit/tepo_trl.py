@@ -44,16 +44,18 @@ from decimal import Decimal
 
 import torch
 from transformers import TrainerCallback
+from transformers.integrations import get_reporting_integration_callbacks
 from trl import GRPOConfig, GRPOTrainer
 
 import tepo
 from tepokit.cli import objective_config
-from tepokit.errors import fail
+from tepokit.errors import fail, first_line, warn
 from tepokit.hub import without_transformers_bars
 from tepokit.model import prepare_start_model
 from tepokit.rundir import (CANNOT_RESUME, check_same_run, claim_run_dir, newest_whole_trl_checkpoint, read_log,
                             run_identity, run_name, save_pretrained_atomically, seed_everything,
                             set_aside_trl_checkpoints, to_json, write_atomically, write_json)
+from tepokit.report import trackers_of
 from tepokit.stop import Stopped, StopSignals
 from tepokit.task import format_prompt, gold_answer, load_task, score_completions, task_fingerprint
 
@@ -229,7 +231,7 @@ def trl_settings(args, num_processes: int) -> dict:
                 logging_steps=optimizer_steps, save_strategy="steps", save_steps=args.save_every * optimizer_steps,
                 seed=args.seed, bf16=args.precision == "bf16", activation_checkpointing=args.gradient_checkpointing,
                 disable_dropout=True, trust_remote_code=args.trust_remote_code, model_init_kwargs={"dtype": "float32"},
-                report_to="none", dataloader_num_workers=0)
+                report_to=trackers_of(args.report_to) or "none", dataloader_num_workers=0)
 
 
 def task_rewards(args, cfg: tepo.ObjectiveConfig) -> list:
@@ -266,6 +268,35 @@ class StopAtStepEnd(TrainerCallback):
         if state.is_world_process_zero:
             write_json(os.path.join(args.output_dir, f"checkpoint-{state.global_step}", "identity.json"), self.identity)
         return control
+
+
+class KeepTrainingIfReportingFails:
+    """One of the Trainer's reporting callbacks (--report-to: TensorBoard, trackio, wandb), wrapped so that
+    its failure (a full disk, a tracker offline) is one warning line and the end of its curves, not the end
+    of training: metrics.jsonl, written from TRL's own log, stays the record (tepokit/report.py)."""
+
+    def __init__(self, callback, run_dir: str):
+        self.callback, self.run_dir = callback, run_dir
+
+    def __getattr__(self, event: str):        # every event the Trainer calls: on_log, on_train_begin, ...
+        if event.startswith("__") or "callback" not in self.__dict__:   # copy and pickle look for these
+            raise AttributeError(event)
+        if self.callback is None:              # failed before: its curves have stopped
+            return lambda *args, **kwargs: None
+        method = getattr(self.callback, event)
+        if not callable(method):
+            return method
+
+        def guarded(*args, **kwargs):
+            try:
+                return method(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 -- whatever the tracker raised, training goes on
+                name = type(self.callback).__name__.removesuffix("Callback")
+                self.callback = None
+                warn(f"--report-to: {name} failed at {event} ({type(e).__name__}: {first_line(e)}); its curves "
+                     f"stop there, and {os.path.join(self.run_dir, 'metrics.jsonl')} will hold every row")
+                return None
+        return guarded
 
 
 def train(args, obj_overrides: dict, evaluate) -> dict:
@@ -306,6 +337,9 @@ def train(args, obj_overrides: dict, evaluate) -> dict:
     with without_transformers_bars(when=args.model is None):
         trainer = TepoGRPOTrainer(model=start_model, reward_funcs=task_rewards(args, cfg), args=config,
                                   train_dataset=prompts, objective=args.objective, objective_config=cfg)
+    reporters = tuple(get_reporting_integration_callbacks(config.report_to))
+    trainer.callback_handler.callbacks = [KeepTrainingIfReportingFails(c, run_dir) if isinstance(c, reporters) else c
+                                          for c in trainer.callback_handler.callbacks]
     identity = run_identity(args.objective, trainer.model, trainer.processing_class, task_fingerprint(task))
     skipped = {"adv_eps": f"{cfg.adv_eps} -> TRL's 1e-4", "dynamic_sampling": cfg.dynamic_sampling}
     optimizer_steps = args.mini_batches * args.epochs
