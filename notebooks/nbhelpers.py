@@ -51,7 +51,8 @@ def read_runs_from(run_dir: str | os.PathLike | None = None) -> None:
     - a run directory of train_small.py (its --out): it takes the place of the committed run of its objective,
       <objective>__1; sections about other runs say that they are skipped;
     - or a directory of run directories named as notebooks/logs/ names them (the --out of a --compare:
-      <objective>__<seed>, regime comparisons below it).
+      <objective>__<seed>; comparisons below it, under their names in logs/COMMANDS.md or their plain names:
+      standard/, collapse/, epochs4/, hidden_type/).
     The figures of your runs go to <run_dir>/figures/, never to notebooks/figures/."""
     global LOGS, ONE_RUN, FIGURES
     run_dir = run_dir or os.environ.get("TEPO_NOTEBOOK_LOGS") or None
@@ -156,12 +157,26 @@ def describe(run: dict) -> str:
     return f"{done} of {planned if planned else '?'} steps, {state}{details}"
 
 
+# The committed comparisons, each in a directory named for its command or preset and the date of the code that made
+# it (the --out of its command in logs/COMMANDS.md). The notebooks ask for them by these plain names.
+COMPARISONS = {"standard": "standard_regime_2026-11-24", "collapse": "collapse_regime_2026-11-24",
+               "epochs4": "epochs4_2026-11-24", "hidden_type": "hidden_type_2026-11-25"}
+
+
+def comparison_dir(name: str) -> Path:
+    """The directory of a comparison under LOGS: its committed name (COMPARISONS), or else the plain name, as a
+    RUN_DIR of your own may hold it (the --out you gave, e.g. runs/standard)."""
+    committed = LOGS / COMPARISONS.get(name, name)
+    return committed if committed.is_dir() or not (LOGS / name).is_dir() else LOGS / name
+
+
 def load_regime(regime: str) -> dict[str, dict[int, dict]]:
-    """The finished runs of one regime comparison, LOGS/<regime>/<entry>__<seed>: {entry: {seed: run}}."""
+    """The finished runs of one comparison, <comparison_dir(regime)>/<entry>__<seed>: {entry: {seed: run}}."""
     runs: dict[str, dict[int, dict]] = {}
-    for d in sorted((LOGS / regime).glob("*__*")) if (LOGS / regime).is_dir() else []:
+    directory = comparison_dir(regime)
+    for d in sorted(directory.glob("*__*")) if directory.is_dir() else []:
         entry, seed = d.name.rsplit("__", 1)
-        run = load_run(f"{regime}/{d.name}")
+        run = load_run(f"{directory.relative_to(LOGS).as_posix()}/{d.name}")
         if run is not None and run["summary"] is not None:
             runs.setdefault(entry, {})[int(seed)] = run
     return runs

@@ -129,16 +129,24 @@ def test_notebook_helpers_pair_runs_by_seed_and_find_the_run_directories():
 
 
 def test_reference_log_commands_are_valid_and_name_the_committed_runs():
-    """Every command of notebooks/logs/COMMANDS.md (what REGENERATE runs) is a valid command line, and every run
-    directory it writes is one of the committed logs: a placeholder or a stale entry list would fail here."""
+    """Every command of notebooks/logs/COMMANDS.md (what REGENERATE runs) is a valid command line, every run
+    directory it writes is one of the committed logs, and every committed run is written by one of them: a
+    placeholder, a stale entry list or a directory without its command would fail here. The comparisons the
+    notebooks ask for by plain name (nbhelpers.COMPARISONS) are committed directories."""
     sys.path.insert(0, os.path.join(REPO, "notebooks"))
     import nbhelpers
+    logs = nbhelpers.NB_DIR / "logs"
     commands = nbhelpers.training_commands()
     assert len(commands) >= 4
+    written = set()
     for cmd in commands:
         parse_args(ts.Args, cmd[2:])                                         # exits (status 2) on a bad flag value
         for _, name in nbhelpers.run_dirs_of(cmd):
-            assert (nbhelpers.NB_DIR / "logs" / name / "metrics.jsonl").is_file(), f"{name}: not committed"
+            assert (logs / name / "metrics.jsonl").is_file(), f"{name}: not committed"
+            written.add(name)
+    committed = {path.parent.relative_to(logs).as_posix() for path in logs.glob("**/metrics.jsonl")}
+    assert committed - written == set(), "committed runs that no command of COMMANDS.md writes"
+    assert all((logs / name).is_dir() for name in nbhelpers.COMPARISONS.values())
 
 
 def test_entropy_collapse_notebook_reads_a_hidden_type_run_of_ones_own(workdir):
