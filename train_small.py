@@ -62,29 +62,24 @@ import sys
 import time
 from dataclasses import dataclass
 
-# The CPU is shared: busy-waiting OpenMP threads slow a contended machine down several-fold (docs/results.md).
-# Must be set before torch starts its thread pool.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from tepokit import bench, cli, compare, rundir   # first: tepokit/__init__.py sets OMP_WAIT_POLICY before torch loads
+import torch
+from tqdm.auto import tqdm
 
-import torch  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-
-import tepo  # noqa: E402
-from tepokit import bench, cli, compare, rundir  # noqa: E402
-from tepokit.bench import PhaseClock  # noqa: E402
-from tepokit.errors import fail, os_error_line  # noqa: E402
-from tepokit.forks import eval_by_type, rollout_fork_metrics  # noqa: E402
-from tepokit.entropy_check import EntropyCheckPositions, checked_rows, entropy_check  # noqa: E402
-from tepokit.stop import StopSignals, Stopped  # noqa: E402
-from tepokit.forward import (completion_logits, precision_noise_floor, rows_per_forward, token_entropy,  # noqa: E402
-                             token_logprobs)
-from tepokit.kl_mask_log import KLMaskDetails  # noqa: E402
-from tepokit.memory import check_memory, peak_memory_mb, process_memory_mb, reset_peak_memory  # noqa: E402
-from tepokit.model import eos_ids_of, load_policy, pick_device, prepare_start_model  # noqa: E402
-from tepokit.report import Trackers, trackers_of  # noqa: E402
-from tepokit.sampling import recompute_old_logprobs, sample, sampler_logprobs_wanted  # noqa: E402
-from tepokit.stats import mean_pass_at_k  # noqa: E402
-from tepokit.task import format_prompt, gold_answer, load_task, score_completions, task_fingerprint  # noqa: E402
+import tepo
+from tepokit.bench import PhaseClock
+from tepokit.entropy_check import NO_ENTROPY_CHANGE, EntropyCheckPositions, checked_rows, entropy_check
+from tepokit.errors import fail, os_error_line
+from tepokit.forks import eval_by_type, rollout_fork_metrics
+from tepokit.forward import completion_logits, precision_noise_floor, rows_per_forward, token_entropy, token_logprobs
+from tepokit.kl_mask_log import KLMaskDetails
+from tepokit.memory import check_memory, peak_memory_mb, process_memory_mb, reset_peak_memory
+from tepokit.model import eos_ids_of, load_policy, pick_device, prepare_start_model
+from tepokit.report import Trackers, trackers_of
+from tepokit.sampling import recompute_old_logprobs, sample, sampler_logprobs_wanted
+from tepokit.stats import combine_micro_batches, mean_pass_at_k
+from tepokit.stop import StopSignals, Stopped
+from tepokit.task import format_prompt, gold_answer, load_task, score_completions, task_fingerprint
 
 
 # =====================================================================================================
@@ -250,37 +245,41 @@ def decode(tokenizer, batch: dict) -> list[str]:
 def rl_step(run: Run, step: int) -> tuple[dict, dict | None]:
     """One RL step, the seven steps of the module docstring. Returns its metrics row (and details row)."""
     args, clock = run.args, PhaseClock()        # seconds (and, under --bench, FLOPs) of each phase
-    checked = step % args.entropy_check_every == 0
+    check_entropy = step % args.entropy_check_every == 0                # 7. runs on this step
     records = run.train_set.select(prompts_for_step(step, len(run.train_set), args))            # 1. prompts
     batch = generate_group(run.model, run.tokenizer, list(records["question"]), args.group_size, args,   # 2. samples
                            run.device, want_logprobs=run.sampler_logprobs,
-                           keep_logits_rows=checked_rows(args) if checked and not run.recompute else 0)
+                           keep_logits_rows=checked_rows(args) if check_entropy and not run.recompute else 0)
     clock.lap("generate")
     golds = [gold_answer(a) for a in records["answer"] for _ in range(args.group_size)]
     texts = decode(run.tokenizer, batch)
     scored = compute_rewards(batch, texts, golds, args, run.cfg)                                # 3. rewards
-    adv, keep = compute_advantages(scored["rewards"], args, run.cfg)                            # 4. advantages
+    adv, keep = compute_advantages(scored["rewards"], args, run.cfg)                            # 4. advantages    [B]
     clock.lap("reward")
-    for group in run.optimizer.param_groups:   # linear learning-rate warm-up
-        group["lr"] = args.lr * min(1.0, step / max(1, args.lr_warmup_steps))
+    for group in run.optimizer.param_groups:
+        group["lr"] = learning_rate(step, args)
     plan = minibatch_plan(keep, args)                  # the rows of each optimizer step (none: all dropped)
-    checked = checked and bool(plan)
-    stats = rollout_statistics(run, batch, adv, plan, checked)                                  # 5. old log-probs
+    check_entropy = check_entropy and bool(plan)       # no update, no entropy change to measure
+    old, before_update = rollout_statistics(run, batch, adv, plan, check_entropy)              # 5. old log-probs
     clock.lap("old_logprobs")
     details = KLMaskDetails(run.cfg, batch["completion_ids"].shape[1], run.device) if run.details_path else None
-    losses = update_policy(run, batch, stats, adv, plan, details) if plan else {}               # 6. update
+    losses = update_policy(run, batch, old, adv, plan, details) if plan else {}                 # 6. update
     clock.lap("update")
-    check = entropy_check(run, batch, stats) if checked else (0.0, 0.0, float("nan"))           # 7. measure
+    entropy_change = (entropy_check(run, batch, old.entropy_check_positions) if check_entropy        # 7. measure
+                      else NO_ENTROPY_CHANGE if not plan else {})     # no update; or not measured on this step
     clock.lap("entropy_check")
     types = [t for t in records["type"] for _ in range(args.group_size)] if "type" in records.column_names else None
-    row = {"step": step, **rollout_metrics(batch, scored, keep, stats, args),
-           **rollout_fork_metrics(texts, types, stats["entropy"], stats["old_logp"], adv, batch["completion_mask"],
+    row = {"step": step, **rollout_metrics(batch, scored, keep, old, before_update, run.recompute, args),
+           **rollout_fork_metrics(texts, types, old.entropy, old.logp, adv, batch["completion_mask"],
                                   scored["strict"], args.group_size, one_token_per_character=args.model is None),
-           **losses,
-           **({"entropy_change/predicted": check[0], "entropy_change/measured": check[1],
-               "entropy_change/position_corr": check[2]} if checked or not plan else {}),
+           **losses, **entropy_change,
            **clock.row(), "perf/tokens_per_second": batch["completion_mask"].sum().item() / clock.total()}
     return row, details.row(step, batch, scored["rewards"], run.tokenizer) if details else None
+
+
+def learning_rate(step: int, args: Args) -> float:
+    """--lr after a linear warm-up from 0 over --lr-warmup-steps RL steps (Adam's first steps are sign-like)."""
+    return args.lr * min(1.0, step / max(1, args.lr_warmup_steps))
 
 
 def compute_advantages(rewards: torch.Tensor, args: Args, cfg: tepo.ObjectiveConfig):
@@ -316,10 +315,29 @@ def minibatch_plan(keep: torch.Tensor, args: Args) -> list[list[torch.Tensor]]:
     return plan
 
 
+@dataclass
+class OldPolicy:
+    """The rollout (old) policy's view of a rollout, from before any update: what the ratios and the
+    KL terms of the update compare with. B rows of T completion positions; 0 after a row's end."""
+    logp: torch.Tensor                  # [B, T] log pi_old of each sampled token
+    entropy: torch.Tensor               # [B, T] entropy of pi_old at each position
+    ref_logp: torch.Tensor | None       # [B, T] the reference model's log-probs, when the objective needs them
+    entropy_check_positions: EntropyCheckPositions  # logits before the update where step 7 measures
+
+    def take_rows(self, rows: torch.Tensor, logp: torch.Tensor, entropy: torch.Tensor | None) -> None:
+        """Rows [b] become the policy's own forward (logp, entropy [b, T]). Before the rollout's first optimizer
+        step the policy IS the old policy: its forward replaces the sampler's values, which differ from it by
+        rounding, so the first mini-batch is exactly on-policy; later epochs read the replaced values."""
+        self.logp[rows] = logp.detach().to(self.logp.dtype)
+        if entropy is not None:
+            self.entropy[rows] = entropy.detach().to(self.entropy.dtype)
+
+
 @torch.no_grad()
-def rollout_statistics(run, batch: dict, adv: torch.Tensor, plan: list, checked: bool = True) -> dict:
-    """Before any update: old and reference log-probs, entropy, Cov(log pi, A), and the logits the
-    entropy check starts from.
+def rollout_statistics(run, batch: dict, adv: torch.Tensor, plan: list, check_entropy: bool = True):
+    """Before any update: the old policy (log-probs, entropy, reference log-probs, and the logits the
+    entropy check starts from) and the rollout's statistics (mean entropy, Cov(log pi, A), precision).
+    Returns (OldPolicy, metrics).
 
     By default the old log-probs and entropies are the sampler's: computed from the logits that
     chose each token, so they need no forward pass. With --recompute-old-logprobs (the default in
@@ -329,7 +347,7 @@ def rollout_statistics(run, batch: dict, adv: torch.Tensor, plan: list, checked:
     filter) are still needed for the rollout's entropy and covariance.
     """
     args, B = run.args, batch["completion_ids"].shape[0]
-    mask = batch["completion_mask"]
+    mask = batch["completion_mask"]                                                 # [B, T]
     first_epoch = [rows for minibatch in plan[:len(plan) // args.epochs] for rows in minibatch]
     seen = torch.zeros(B, dtype=torch.bool)
     for rows in first_epoch:
@@ -337,7 +355,7 @@ def rollout_statistics(run, batch: dict, adv: torch.Tensor, plan: list, checked:
     unseen = torch.arange(B)[~seen]
     forwards = first_epoch + (list(unseen.split(rows_per_forward(args))) if len(unseen) else [])
     dtype = torch.promote_types(next(run.model.parameters()).dtype, torch.float32)  # float64 in the tests
-    check = EntropyCheckPositions(batch, args if checked else dataclasses.replace(args, entropy_check_rows=0))
+    positions = EntropyCheckPositions(batch, args if check_entropy else dataclasses.replace(args, entropy_check_rows=0))
     ref_logp = None
     if run.ref_model is not None:
         ref_logp = torch.zeros(mask.shape, dtype=dtype, device=mask.device)        # [B, T]
@@ -352,21 +370,22 @@ def rollout_statistics(run, batch: dict, adv: torch.Tensor, plan: list, checked:
             old_logp[rows] = token_logprobs(logits, batch["completion_ids"][rows.to(mask.device)],
                                             args.temperature).to(dtype)
             entropy[rows] = token_entropy(logits, args.temperature).to(dtype)
-            check.capture(rows, logits)
+            positions.capture(rows, logits)
             del logits                 # before the next forward allocates its own
-    else:                              # the sampler's, computed at the same temperature
-        # copies: the first mini-batch replaces them (micro_batch_loss), and the rollout keeps the sampler's
-        old_logp = batch["sampling_logp"].to(dtype, copy=True)                      # [B, T], 0 after the end
-        entropy = batch["sampling_entropy"].to(dtype, copy=True)                    # [B, T], 0 after the end
-        if check.rows:
-            check.capture(torch.arange(check.rows), batch["sampling_logits"][:check.rows])
-    return dict(old_logp=old_logp, entropy=entropy, ref_logp=ref_logp, check=check, recomputed=run.recompute,
-                entropy_mean=tepo.masked_mean(entropy, mask).item(),
-                cov=tepo.masked_mean(tepo.token_covariance(old_logp, adv.to(mask.device), mask), mask).item(),
-                **precision_noise_floor(run, batch, forwards[0], old_logp))
+    else:                              # the sampler's, computed at the same temperature; copies, because the
+        old_logp = batch["sampling_logp"].to(dtype, copy=True)      # first mini-batch replaces them (take_rows)
+        entropy = batch["sampling_entropy"].to(dtype, copy=True)                    # [B, T]
+        if positions.rows:
+            positions.capture(torch.arange(positions.rows), batch["sampling_logits"][:positions.rows])
+    old = OldPolicy(logp=old_logp, entropy=entropy, ref_logp=ref_logp, entropy_check_positions=positions)
+    covariance = tepo.token_covariance(old_logp, adv.to(mask.device), mask)        # [B, T]
+    metrics = {"entropy": tepo.masked_mean(entropy, mask).item(),
+               "cov/logp_adv": tepo.masked_mean(covariance, mask).item(),
+               **precision_noise_floor(run, batch, forwards[0], old_logp)}
+    return old, metrics
 
 
-def update_policy(run, batch: dict, stats: dict, adv: torch.Tensor, plan: list, details=None) -> dict:
+def update_policy(run, batch: dict, old: OldPolicy, adv: torch.Tensor, plan: list, details=None) -> dict:
     """One optimizer step per mini-batch of the plan, its gradient accumulated over its micro-batches.
 
     The objective is told the mini-batch's token and sequence counts (num_tokens, num_seqs), so the
@@ -386,7 +405,9 @@ def update_policy(run, batch: dict, stats: dict, adv: torch.Tensor, plan: list, 
         run.optimizer.zero_grad(set_to_none=True)
         parts = []
         for micro in micro_batches:
-            loss, metrics, log_ratio = micro_batch_loss(run, batch, stats, adv, micro, counts, details, i == 0)
+            # before the first optimizer step the policy's own forward becomes the old policy (OldPolicy.take_rows)
+            loss, metrics, log_ratio = micro_batch_loss(run, batch, old, adv, micro, counts, details,
+                                                        replace_old=i == 0 and not run.recompute)
             loss.backward()
             parts.append((metrics, mask[micro].sum().item()))
             if first is None:   # before any optimizer step: the first micro-batch must be exactly on-policy
@@ -405,31 +426,30 @@ def update_policy(run, batch: dict, stats: dict, adv: torch.Tensor, plan: list, 
     return out
 
 
-def micro_batch_loss(run, batch: dict, stats: dict, adv: torch.Tensor, rows: torch.Tensor, counts: dict,
-                     details=None, before_any_step: bool = False):
-    """The objective on one micro-batch: (loss, metrics, |log pi - log pi_old| at its valid tokens).
+def micro_batch_loss(run, batch: dict, old: OldPolicy, adv: torch.Tensor, rows: torch.Tensor, counts: dict,
+                     details=None, replace_old: bool = False):
+    """The objective on one micro-batch: (loss, metrics, |log pi - log pi_old| at its valid tokens [n]).
 
-    Before the rollout's first optimizer step the policy IS the behaviour policy. Its own log-probs
-    and entropies then replace the sampler's, which differ from them by rounding (~1e-6): exactly
-    on-policy, as when they are recomputed, and a penalty on |log ratio| (whose gradient is the sign
-    of the log-ratio) does not act on rounding. The returned gap is measured before the replacement:
-    how far the old log-probs it was given were from this forward's."""
+    replace_old (the first mini-batch, with the sampler's old log-probs): the policy IS the behaviour
+    policy before the rollout's first optimizer step, so this forward's log-probs and entropies replace
+    the sampler's rows of `old` (OldPolicy.take_rows), which differ from them by rounding (~1e-6): exactly
+    on-policy, as when they are recomputed, and a penalty on |log ratio| (whose gradient is the sign of
+    the log-ratio) does not act on rounding. The returned gap is measured before the replacement: how far
+    the old log-probs it was given were from this forward's."""
     args, cfg = run.args, run.cfg
     idx = rows.to(adv.device)
-    mask, tokens = batch["completion_mask"][idx], batch["completion_ids"][idx]
+    mask, tokens = batch["completion_mask"][idx], batch["completion_ids"][idx]     # [b, T]
     logits = completion_logits(run.model, batch, rows, args)                       # [b, T, V]
     logp = token_logprobs(logits, tokens, args.temperature)                          # [b, T]
     # The current entropy: for the objective when its criterion needs it, and for the details log
     # (the measured criterion) even when it does not; the loss gets it only in the first case.
     needs_entropy = tepo.needs_entropy(args.objective, cfg)
     entropy = token_entropy(logits, args.temperature) if needs_entropy or details is not None else None
-    old_logp, old_entropy = stats["old_logp"][idx], stats["entropy"][idx]
-    log_ratio = (logp.detach() - old_logp).abs()[mask.bool()]
-    if before_any_step and not stats["recomputed"]:     # exactly on-policy, and kept for any later epoch
-        old_logp = stats["old_logp"][idx] = logp.detach().to(old_logp.dtype)
-        if entropy is not None:
-            old_entropy = stats["entropy"][idx] = entropy.to(old_entropy.dtype)
-    ref = stats["ref_logp"][idx] if stats["ref_logp"] is not None else None
+    log_ratio = (logp.detach() - old.logp[idx]).abs()[mask.bool()]
+    if replace_old:
+        old.take_rows(idx, logp, entropy)
+    old_logp, old_entropy = old.logp[idx], old.entropy[idx]                         # [b, T]
+    ref = old.ref_logp[idx] if old.ref_logp is not None else None
     loss, metrics = run.objective(logp, old_logp, adv[idx], mask, cfg, ref_logp=ref,
                                   entropy=entropy if needs_entropy else None,
                                   old_entropy=old_entropy if needs_entropy else None, **counts)
@@ -439,27 +459,10 @@ def micro_batch_loss(run, batch: dict, stats: dict, adv: torch.Tensor, rows: tor
     return loss, metrics, log_ratio
 
 
-def combine_micro_batches(parts: list[tuple[dict, int]]) -> dict:
-    """One mini-batch's metrics from its micro-batches' (metrics, valid tokens): the loss and its parts
-    add up (each micro-batch's loss is its share of the mini-batch's); ratio extremes are extremes;
-    on_policy holds if it held everywhere; every other metric is a token-weighted mean."""
-    total = sum(n for _, n in parts) or 1
-    out = {}
-    for key in parts[0][0]:
-        values = [m[key] for m, _ in parts]
-        if key in ("loss", "pg_loss", "kl_loss"):
-            out[key] = sum(values)
-        elif key in ("ratio/min", "on_policy"):
-            out[key] = min(values)
-        elif key == "ratio/max":
-            out[key] = max(values)
-        else:
-            out[key] = sum(v * n for v, (_, n) in zip(values, parts)) / total
-    return out
-
-
-def rollout_metrics(batch: dict, scored: dict, keep: torch.Tensor, stats: dict, args: Args) -> dict:
-    """What the rollout looked like: rewards, accuracy, lengths, entropy, covariance, precision."""
+def rollout_metrics(batch: dict, scored: dict, keep: torch.Tensor, old: OldPolicy, before_update: dict,
+                    recomputed: bool, args: Args) -> dict:
+    """What the rollout looked like: rewards, accuracy, lengths, and (before_update, rollout_statistics')
+    entropy, covariance and precision; with recomputed old log-probs, how far the sampler's were from them."""
     mask, rewards = batch["completion_mask"], scored["rewards"]
     row = {"reward": rewards.mean().item(), "reward_std": rewards.std().item(),
            "accuracy/strict": scored["strict"].mean().item(), "accuracy/lenient": scored["lenient"].mean().item(),
@@ -467,11 +470,9 @@ def rollout_metrics(batch: dict, scored: dict, keep: torch.Tensor, stats: dict, 
            "dynamic_sampling/kept_frac": keep.float().mean().item(),
            "dynamic_sampling/skipped": float(not keep.any()),
            "completions/mean_length": mask.sum(1).float().mean().item(),
-           "completions/clipped_ratio": batch["truncated"].float().mean().item(),
-           "entropy": stats["entropy_mean"], "cov/logp_adv": stats["cov"],
-           **{k: v for k, v in stats.items() if k.startswith("precision/")}}
-    if "sampling_logp" in batch and stats["recomputed"]:
-        gap = (batch["sampling_logp"] - stats["old_logp"]).abs()
+           "completions/clipped_ratio": batch["truncated"].float().mean().item(), **before_update}
+    if "sampling_logp" in batch and recomputed:
+        gap = (batch["sampling_logp"] - old.logp).abs()
         row["logprobs/sampling_vs_recomputed_max_abs"] = gap[mask.bool()].max().item()
     return row
 

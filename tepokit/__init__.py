@@ -12,7 +12,7 @@
   memory         the memory plan (--dry-run) and peak memory
   rundir         the run directory: lock, config, logs, checkpoints, resume checks, summary.json
   stop           Ctrl-C, SIGTERM and SIGHUP: finish the step, checkpoint, exit
-  stats          pass@k, Pearson's r, t intervals
+  stats          pass@k, Pearson's r, t intervals, a mini-batch's metrics from its micro-batches
   compare        --compare: objectives x seeds, paired by seed
   bench          --bench: our RL step against TRL's GRPOTrainer
   tepo_trl       TepoGRPOTrainer: any tepo objective inside TRL's GRPOTrainer (--engine trl)
@@ -22,3 +22,9 @@ Imports form a tree: tepo.py imports only torch; these modules import tepo and e
 imports both, and nothing imports train_small.py. transformers, datasets and TRL are imported inside the
 functions that use them, so that --help, --dry-run and a refused flag answer without loading them.
 """
+
+import os
+
+# The CPU is shared: busy-waiting OpenMP threads slow a contended machine down several-fold (docs/results.md).
+# Set here, before torch starts its thread pool: train_small.py imports tepokit first.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -11,6 +11,9 @@ from tepokit.forward import completion_logits, positions_per_chunk, rows_per_for
 from tepokit.stats import pearson
 
 ENTROPY_CHECK_MAX_POSITIONS = 2048   # the default built-in run checks ~1,000 (64 rows x ~16 tokens)
+# A step without an update (DAPO's filter dropped every group): the entropy did not change.
+NO_ENTROPY_CHANGE = {"entropy_change/predicted": 0.0, "entropy_change/measured": 0.0,
+                     "entropy_change/position_corr": float("nan")}
 
 
 def checked_rows(args) -> int:
@@ -53,22 +56,26 @@ class EntropyCheckPositions:
 
 
 @torch.no_grad()
-def entropy_check(run, batch: dict, stats: dict) -> tuple[float, float, float]:
+def entropy_check(run, batch: dict, positions: EntropyCheckPositions) -> dict:
     """Predicted vs measured entropy change of this step's updates, at the same completion positions
-    (tepo.entropy_change_prediction: -Cov_p(log p, z_after - z_before) against H_after - H_before).
-    Returns (predicted mean, measured mean, correlation across the positions).
+    (tepo.entropy_change_prediction: -Cov_p(log p, z_after - z_before) against H_after - H_before):
+    entropy_change/predicted and /measured (means over the positions) and /position_corr (their
+    correlation across the positions). `positions` holds the logits from before the update.
 
     The prediction is first order (a Taylor expansion in the logit change dz): near exact where an
     update moves the logits a little, wrong where it moves them by O(1), and a few such positions
     carry much of the measured change. So the correlation across positions within a step is high,
     and the correlation of the per-step means lower; docs/results.md has both, measured.
     """
-    check = stats["check"]
-    if check.before is None:
-        return float("nan"), float("nan"), float("nan")
-    after = torch.empty_like(check.before)                                          # [n, V]
-    for rows in torch.arange(check.rows).split(rows_per_forward(run.args)):
-        check.copy_into(after, rows, completion_logits(run.model, batch, rows, run.args))
-    predicted, measured = tepo.entropy_change_prediction(check.before, after, run.args.temperature,
-                                                         positions_per_chunk(after.shape[-1]))
-    return predicted.mean().item(), measured.mean().item(), pearson(predicted.tolist(), measured.tolist())
+    if positions.before is None:
+        predicted = measured = corr = float("nan")
+    else:
+        after = torch.empty_like(positions.before)                                  # [n, V]
+        for rows in torch.arange(positions.rows).split(rows_per_forward(run.args)):
+            positions.copy_into(after, rows, completion_logits(run.model, batch, rows, run.args))
+        change, measured_change = tepo.entropy_change_prediction(positions.before, after, run.args.temperature,
+                                                                 positions_per_chunk(after.shape[-1]))
+        predicted, measured = change.mean().item(), measured_change.mean().item()
+        corr = pearson(change.tolist(), measured_change.tolist())
+    return {"entropy_change/predicted": predicted, "entropy_change/measured": measured,
+            "entropy_change/position_corr": corr}

@@ -18,6 +18,7 @@ import torch
 import tepo
 import train_small as ts
 from tepokit.cli import objective_config, parse_args
+from tepokit.report import Trackers
 from tepokit.rundir import save_checkpoint
 
 
@@ -57,7 +58,7 @@ def micro_run(model, tokenizer, args, objective, ref_model=None, lr=1e-3, recomp
                   identity={}, model=model, ref_model=ref_model, tokenizer=tokenizer,
                   optimizer=torch.optim.Adam(model.parameters(), lr=lr), train_set=None, test_set=None,
                   first_step=1, details_path=None,
-                  recompute=recompute, sampler_logprobs=True)
+                  recompute=recompute, sampler_logprobs=True, trackers=Trackers([], "", {}))
 
 
 def hand_batch(vocab: int, rows: int, prompt: int, completion: int, seed: int = 0) -> dict:

@@ -82,8 +82,8 @@ def test_dropout_settings_are_off_also_in_train_mode_with_checkpointing(tmp_path
     run = micro_run(model, tokenizer, args, "grpo", beta=0.0)
     adv, keep = torch.randn(8), torch.ones(8, dtype=torch.bool)
     plan = ts.minibatch_plan(keep, args)
-    stats = ts.rollout_statistics(run, batch, adv, plan)
-    metrics = ts.update_policy(run, batch, stats, adv, plan)
+    old, _ = ts.rollout_statistics(run, batch, adv, plan)
+    metrics = ts.update_policy(run, batch, old, adv, plan)
     assert metrics["logprobs/first_minibatch_max_abs_log_ratio"] == 0.0
 
 

@@ -48,21 +48,21 @@ def test_recomputed_logprobs_equal_sampling_logprobs():
     results = {}
     for recompute in (True, False):
         run = micro_run(copy.deepcopy(base), tok, args, "grpo", recompute=recompute, beta=0.0)
-        stats = ts.rollout_statistics(run, batch, adv, plan)
-        results[recompute] = stats, ts.update_policy(run, batch, stats, adv, plan)
+        old, _ = ts.rollout_statistics(run, batch, adv, plan)
+        results[recompute] = old, ts.update_policy(run, batch, old, adv, plan)
     (recomputed, m_recomputed), (sampled, m_sampled) = results[True], results[False]
     mask = batch["completion_mask"].bool()
     for key, values in sampler.items():          # the rollout's record stays the sampler's (not an alias of the
         assert torch.equal(batch[key], values)   # old log-probs, which the first mini-batch replaces)
-    assert (batch["sampling_logp"] - recomputed["old_logp"]).abs()[mask].max().item() < 1e-5
-    assert (batch["sampling_entropy"] - recomputed["entropy"]).abs()[mask].max().item() < 1e-5
-    assert (sampled["check"].before - recomputed["check"].before).abs().max().item() < 1e-4   # the check's logits
+    assert (batch["sampling_logp"] - recomputed.logp).abs()[mask].max().item() < 1e-5
+    assert (batch["sampling_entropy"] - recomputed.entropy).abs()[mask].max().item() < 1e-5
+    assert (sampled.entropy_check_positions.before - recomputed.entropy_check_positions.before).abs().max().item() < 1e-4   # the check's logits
     # recomputed: the update's first mini-batch sees ratio exactly 1 (same rows, same forward) ...
     assert m_recomputed["logprobs/first_minibatch_max_abs_log_ratio"] == 0.0
     # ... sampled: it measures the sampler's distance from the forward, then takes the forward's own values
     assert 0.0 < m_sampled["logprobs/first_minibatch_max_abs_log_ratio"] < 1e-5
     first = torch.cat(plan[0])
-    assert torch.equal(sampled["old_logp"][first], recomputed["old_logp"][first])
+    assert torch.equal(sampled.logp[first], recomputed.logp[first])
     assert m_sampled["on_policy"] == m_recomputed["on_policy"] == 0.5   # of two optimizer steps, the first
     assert m_sampled["loss"] == pytest.approx(m_recomputed["loss"], rel=1e-4, abs=1e-7)
 
@@ -108,17 +108,17 @@ def test_the_samplers_old_logprobs_make_the_recomputed_update_over_epochs_and_mi
         model = copy.deepcopy(base)
         run = micro_run(model, tok, args, objective, recompute=recompute, **overrides)
         run.optimizer = torch.optim.SGD(model.parameters(), lr=0.5)   # a step proportional to the gradient
-        stats = ts.rollout_statistics(run, batch, adv, plan, checked=False)
-        metrics = ts.update_policy(run, batch, stats, adv, plan)
-        results[recompute] = torch.cat([p.detach().flatten() for p in model.parameters()]), metrics, stats
+        old, _ = ts.rollout_statistics(run, batch, adv, plan, check_entropy=False)
+        metrics = ts.update_policy(run, batch, old, adv, plan)
+        results[recompute] = torch.cat([p.detach().flatten() for p in model.parameters()]), metrics, old
     (p_recomputed, m_recomputed, recomputed), (p_sampled, m_sampled, sampled) = results[True], results[False]
     start = torch.cat([p.flatten() for p in base.parameters()])
     assert (p_recomputed - start).abs().max() > 0.05                              # the 8 steps did move it
     assert_close(p_sampled, p_recomputed, atol=1e-9, rtol=0)
     valid = batch["completion_mask"].bool()
-    assert_close(sampled["old_logp"][valid], recomputed["old_logp"][valid], atol=1e-12, rtol=0)   # kept, replaced
+    assert_close(sampled.logp[valid], recomputed.logp[valid], atol=1e-12, rtol=0)   # kept, replaced
     if tepo.needs_entropy(objective, run.cfg):         # TEPO's measured criterion: old entropies likewise
-        assert_close(sampled["entropy"][valid], recomputed["entropy"][valid], atol=1e-12, rtol=0)
+        assert_close(sampled.entropy[valid], recomputed.entropy[valid], atol=1e-12, rtol=0)
     for key, value in m_recomputed.items():
         if not key.startswith("logprobs/first_minibatch"):
             assert m_sampled[key] == pytest.approx(value, abs=1e-9), key
@@ -214,13 +214,13 @@ def test_micro_batches_accumulate_to_the_same_optimizer_steps(objective, overrid
         torch.manual_seed(1)
         plan = ts.minibatch_plan(keep, args)
         assert [len(mb) for mb in plan] == ([1, 1] if micro == 0 else [4, 4])
-        stats = ts.rollout_statistics(run, batch, adv, plan)
-        metrics = ts.update_policy(run, batch, stats, adv, plan)
-        results.append((torch.cat([p.detach().flatten() for p in model.parameters()]), metrics, stats))
+        old, _ = ts.rollout_statistics(run, batch, adv, plan)
+        metrics = ts.update_policy(run, batch, old, adv, plan)
+        results.append((torch.cat([p.detach().flatten() for p in model.parameters()]), metrics, old))
     (p0, m0, s0), (p2, m2, s2) = results
     assert_close(p2, p0, atol=1e-6, rtol=0)
     assert (p2 - torch.cat([p.flatten() for p in base.parameters()])).abs().max() > 1e-4   # it did move
-    assert_close(s2["old_logp"], s0["old_logp"], atol=1e-12)
+    assert_close(s2.logp, s0.logp, atol=1e-12)
     for key in ("loss", "pg_loss", "kl_loss", "ratio/min", "ratio/max", "grad_norm"):
         assert m2[key] == pytest.approx(m0[key], abs=1e-9), key
 
@@ -335,10 +335,10 @@ def test_entropy_coef_adds_the_bonus_to_the_objectives_loss_and_gradient(objecti
     for coef in (0.0, 0.7):
         run = micro_run(model, None, args, objective, entropy_coef=coef, **overrides)
         plan = ts.minibatch_plan(torch.ones(8, dtype=torch.bool), args)
-        stats = ts.rollout_statistics(run, batch, adv, plan)
+        old, _ = ts.rollout_statistics(run, batch, adv, plan)
         counts = dict(num_tokens=batch["completion_mask"].sum().item(), num_seqs=8.0)
         model.zero_grad(set_to_none=True)
-        loss, _, _ = ts.micro_batch_loss(run, batch, stats, adv, rows, counts)
+        loss, _, _ = ts.micro_batch_loss(run, batch, old, adv, rows, counts)
         loss.backward()
         losses.append(loss.detach())
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
