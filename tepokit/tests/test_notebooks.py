@@ -4,6 +4,7 @@ import hashlib
 import math
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,37 +18,58 @@ from tepokit.tests.helpers import MICRO, REPO, run_main
 # Executes each notebook in a fresh python3 kernel on the CPU (cwd = notebooks/, 300 s per cell) and
 # fails if any cell raises. The executed result is NOT written back to disk. New notebooks are picked
 # up automatically by the glob. Skips cleanly if nbclient / nbformat / ipykernel are not installed.
+# Each execution is a process of its own, so that several run at once: the suite waits for the slowest.
 NOTEBOOKS = sorted((Path(REPO) / "notebooks").glob("*.ipynb"))
+EXECUTE = """
+import re, sys
+import nbclient, nbformat
+from nbclient.exceptions import CellExecutionError
+notebook, run_dir = sys.argv[1], sys.argv[2] or None
+nb = nbformat.read(notebook, as_version=4)
+if run_dir is not None:
+    first = next(cell for cell in nb.cells if cell.cell_type == "code")
+    assert first.source.startswith("RUN_DIR = None"), "the parameter is the first code cell's first line"
+    first.source = first.source.replace("RUN_DIR = None", f"RUN_DIR = {run_dir!r}", 1)
+client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", record_timing=False,
+                                 resources={"metadata": {"path": sys.argv[3]}})    # kernel cwd = notebooks/
+try:
+    client.execute()                                               # in memory only: nothing is saved
+except CellExecutionError as err:
+    sys.exit(re.sub(r"\\x1b\\[[0-9;]*m", "", str(err)))              # the cell's error, without ANSI colours
+nbformat.write(nb, sys.stdout)
+"""
 
 
-def executed(notebook: Path, run_dir: str | None = None):
-    """The notebook executed in memory (RUN_DIR of its first code cell set to `run_dir` if given); fails the test
-    with the cell's error when a cell raises."""
+def start_executing(notebook: Path, run_dir: str | None = None) -> subprocess.Popen:
+    """Start executing the notebook (RUN_DIR of its first code cell set to `run_dir` if given); `executed`
+    waits for it."""
     reason = "notebook tests need nbclient, nbformat and ipykernel (pip install nbclient nbformat ipykernel)"
-    nbformat = pytest.importorskip("nbformat", reason=reason)
-    nbclient = pytest.importorskip("nbclient", reason=reason)
-    pytest.importorskip("ipykernel", reason=reason)
-    from nbclient.exceptions import CellExecutionError
+    for module in ("nbformat", "nbclient", "ipykernel"):
+        pytest.importorskip(module, reason=reason)
+    return subprocess.Popen([sys.executable, "-c", EXECUTE, str(notebook), run_dir or "", str(notebook.parent)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    nb = nbformat.read(notebook, as_version=4)
-    if run_dir is not None:
-        first = next(cell for cell in nb.cells if cell.cell_type == "code")
-        assert first.source.startswith("RUN_DIR = None"), "the parameter is the first code cell's first line"
-        first.source = first.source.replace("RUN_DIR = None", f"RUN_DIR = {run_dir!r}", 1)
-    client = nbclient.NotebookClient(
-        nb, timeout=300, kernel_name="python3", record_timing=False,
-        resources={"metadata": {"path": str(notebook.parent)}})   # kernel cwd = notebooks/
-    try:
-        client.execute()                                           # in memory only: nothing is saved
-    except CellExecutionError as err:
-        message = re.sub(r"\x1b\[[0-9;]*m", "", str(err))                # drop ANSI colours
-        pytest.fail(f"{notebook.name}: a cell raised\n{message}", pytrace=False)
-    return nb
+
+def executed(notebook: Path, run_dir: str | None = None, process: subprocess.Popen | None = None):
+    """The executed notebook (started by start_executing, or now); fails the test with the cell's error when a
+    cell raises."""
+    import nbformat
+    process = process or start_executing(notebook, run_dir)
+    stdout, stderr = process.communicate(timeout=900)
+    if process.returncode != 0:
+        pytest.fail(f"{notebook.name}: a cell raised\n{stderr}", pytrace=False)
+    return nbformat.reads(stdout, as_version=4)
+
+
+@pytest.fixture(scope="module")
+def executions():
+    """Every notebook, started at once."""
+    return {notebook.name: start_executing(notebook) for notebook in NOTEBOOKS}
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_executes(notebook):
-    executed(notebook)
+def test_notebook_executes(notebook, executions):
+    executed(notebook, process=executions[notebook.name])
 
 
 def printed(nb) -> str:
@@ -66,13 +88,22 @@ def micro_tepo_run(workdir):
     return str(workdir / "own_run")
 
 
+@pytest.fixture(scope="module")
+def pointed_at_a_run(micro_tepo_run):
+    """notebooks/figures/ as it was, and the two notebooks that take one run, pointed at micro_tepo_run and
+    started at once."""
+    before = figures_state()
+    return before, {name: start_executing(Path(REPO) / "notebooks" / f"{name}.ipynb", micro_tepo_run)
+                    for name in ("entropy_dynamics", "kl_mask_activation")}
+
+
 @pytest.mark.parametrize("name", ["entropy_dynamics", "kl_mask_activation"])
-def test_notebook_pointed_at_a_run_reads_it_and_saves_its_figures_there(micro_tepo_run, name):
+def test_notebook_pointed_at_a_run_reads_it_and_saves_its_figures_there(micro_tepo_run, pointed_at_a_run, name):
     """RUN_DIR = a run directory of train_small.py: the notebook reads that run (in the place of the committed
     tepo__1), saves its figures into RUN_DIR/figures/ and leaves notebooks/figures/ as it was (same bytes, same
     modification times)."""
-    before = figures_state()
-    text = printed(executed(Path(REPO) / "notebooks" / f"{name}.ipynb", micro_tepo_run))
+    before, processes = pointed_at_a_run
+    text = printed(executed(Path(REPO) / "notebooks" / f"{name}.ipynb", process=processes[name]))
     assert figures_state() == before
     assert "reading the logs in <RUN_DIR: own_run>/" in text and "6 of 6 steps, finished" in text
     saved = re.findall(r"saved (.+?) \(\d+ KB\)", text)
