@@ -144,7 +144,7 @@ def test_kill_9_at_any_moment_loses_at_most_the_steps_since_the_checkpoint(four_
     """SIGKILL during the first checkpoint, during a later checkpoint write (after its step's row was
     logged), and in the middle of a step; each time --resume (or a fresh start when there is no
     checkpoint yet) goes on, and the finished log equals an uninterrupted run's."""
-    out, slow = "runs/killed", {"TEPO_TEST_CHECKPOINT_SLEEP": "0.6"}
+    out, slow = "runs/killed", {"TEPO_TEST_CHECKPOINT_SLEEP": "1.0"}
     # 1. during checkpoint 0: nothing to resume, and --resume says so without touching the directory
     process = start_process([*KILL_ARGS, "--out", out], **slow)
     wait_until(lambda: writing_checkpoint(out), process)
