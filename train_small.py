@@ -78,7 +78,7 @@ from tepokit.model import eos_ids_of, load_policy, pick_device, prepare_start_mo
 from tepokit.report import Trackers, trackers_of
 from tepokit.sampling import recompute_old_logprobs, sample, sampler_logprobs_wanted
 from tepokit.stats import combine_micro_batches, mean_pass_at_k
-from tepokit.stop import StopSignals, Stopped
+from tepokit.stop import StopSignals, Stopped, stopped_after
 from tepokit.task import format_prompt, gold_answer, load_task, score_completions, task_fingerprint
 
 
@@ -578,7 +578,7 @@ def train(args: Args, obj_overrides: dict) -> dict:
                 rundir.save_checkpoint(run.run_dir, run.model, run.optimizer, step, run.identity)
             if stopping:               # the safe point: the step is logged and checkpointed
                 bar.close()
-                raise stopped(stop, run, step)
+                raise stopped_after(stop.signum, step, args.steps, run.run_dir)
         if last_step == args.steps:    # not stopped on purpose (--stop-after): the final policy and summary
             rundir.save_pretrained_atomically(run.model.cpu(), run.tokenizer, os.path.join(run.run_dir, "policy"))
             run.model.to(run.device)
@@ -587,16 +587,8 @@ def train(args: Args, obj_overrides: dict) -> dict:
         else:
             summary = {"run_dir": run.run_dir, "stopped_at": last_step}
         if stop.requested:             # it came during the last step, the final save or the summary
-            raise stopped(stop, run, last_step)
+            raise stopped_after(stop.signum, last_step, args.steps, run.run_dir)
     return summary
-
-
-def stopped(stop, run: Run, step: int) -> Stopped:
-    """The end of a run stopped by a signal after `step`, which is checkpointed: what was kept, how to go on."""
-    if step < run.args.steps:
-        return Stopped(stop.signum, f"stopped after step {step}, which is checkpointed; resume with: python "
-                                    f"train_small.py --resume {run.run_dir}")
-    return Stopped(stop.signum, f"stopped after step {step}, the last: the run is complete in {run.run_dir}")
 
 
 def start_run(args: Args, obj_overrides: dict) -> Run:

@@ -27,6 +27,15 @@ class Stopped(BaseException):
         self.exit_status = 128 + signum      # the shell's convention: 130 SIGINT, 143 SIGTERM, 129 SIGHUP
 
 
+def stopped_after(signum: int, step: int, steps: int, run_dir: str) -> Stopped:
+    """The end of a run (of `steps` RL steps) stopped by a signal after `step`, which is checkpointed: what
+    was kept, and how to go on. Both engines end this way."""
+    if step < steps:
+        return Stopped(signum, f"stopped after step {step}, which is checkpointed; resume with: python "
+                               f"train_small.py --resume {run_dir}")
+    return Stopped(signum, f"stopped after step {step}, the last: the run is complete in {run_dir}")
+
+
 class StopSignals:
     """`with StopSignals(finish_step=...) as stop:` handles SIGINT, SIGTERM and SIGHUP while inside.
 

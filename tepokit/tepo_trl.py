@@ -56,7 +56,7 @@ from tepokit.rundir import (CANNOT_RESUME, check_same_run, claim_run_dir, newest
                             run_identity, run_name, save_pretrained_atomically, seed_everything,
                             set_aside_trl_checkpoints, to_json, write_atomically, write_json)
 from tepokit.report import trackers_of
-from tepokit.stop import Stopped, StopSignals
+from tepokit.stop import StopSignals, stopped_after
 from tepokit.task import format_prompt, gold_answer, load_task, score_completions, task_fingerprint
 
 TRL_TESTED = "1.16"
@@ -375,8 +375,7 @@ def train(args, obj_overrides: dict, evaluate) -> dict:
         if step < args.steps:          # stopped by a signal: TRL saved a checkpoint at this step's end
             write_atomically(metrics_path, lambda f: f.write("".join(to_json(r) + "\n" for r in rows).encode()))
             leave_process_group()
-            raise Stopped(stop.signum, f"stopped after step {step}, which is checkpointed; resume with: python "
-                                       f"train_small.py --resume {run_dir}")
+            raise stopped_after(stop.signum, step, args.steps, run_dir)
         save_pretrained_atomically(trainer.model, trainer.processing_class, os.path.join(run_dir, "policy"))
         after = evaluate(trainer.model, trainer.processing_class, test, args, device)
         rows[-1].update(after)
@@ -390,7 +389,7 @@ def train(args, obj_overrides: dict, evaluate) -> dict:
             lock.close()
         leave_process_group()
         if stop.requested:             # it came during the last step, the final save or the summary
-            raise Stopped(stop.signum, f"stopped after step {step}, the last: the run is complete in {run_dir}")
+            raise stopped_after(stop.signum, step, args.steps, run_dir)
     return summary
 
 
