@@ -488,21 +488,21 @@ def evaluate(model, tokenizer, test, args: Args, device) -> dict:
     Generation goes one rollout's worth of rows at a time, so evaluation never needs more memory
     (KV cache) than a training step's rollout."""
     rollout_rows = args.prompts_per_step * args.group_size
-    greedy = [score_completions(decode(tokenizer, generate_group(model, tokenizer, list(rows["question"]), 1, args,
-                                                                 device, greedy=True)),
-                                [gold_answer(a) for a in rows["answer"]])
-              for rows in dataset_chunks(test, len(test), rollout_rows)]
-    sampled_texts = [decode(tokenizer, generate_group(model, tokenizer, list(rows["question"]), args.pass_k, args,
-                                                      device))
-                     for rows in dataset_chunks(test, args.pass_k_problems, max(1, rollout_rows // args.pass_k))]
-    sampled_texts = [text for chunk in sampled_texts for text in chunk]
-    golds = [gold_answer(a) for a in test.select(range(len(sampled_texts) // args.pass_k))["answer"]]
-    right = score_completions(sampled_texts, [g for g in golds for _ in range(args.pass_k)])[0]
-    right = right.view(-1, args.pass_k)                                             # [problems, K]
+    strict, lenient = [], []                          # greedy: right or not, per held-out problem
+    for rows in dataset_chunks(test, len(test), rollout_rows):
+        batch = generate_group(model, tokenizer, list(rows["question"]), 1, args, device, greedy=True)
+        right = score_completions(decode(tokenizer, batch), [gold_answer(a) for a in rows["answer"]])
+        strict.append(right[0])
+        lenient.append(right[1])
+    sampled_texts, golds = [], []                     # K samples of each of the first --pass-k-problems
+    for rows in dataset_chunks(test, args.pass_k_problems, max(1, rollout_rows // args.pass_k)):
+        batch = generate_group(model, tokenizer, list(rows["question"]), args.pass_k, args, device)
+        sampled_texts += decode(tokenizer, batch)
+        golds += [gold_answer(a) for a in rows["answer"] for _ in range(args.pass_k)]
+    right = score_completions(sampled_texts, golds)[0].view(-1, args.pass_k)      # [problems, K]
     n_right = right.sum(1).long().tolist()                                          # c of each problem
-    greedy_right = torch.cat([s for s, _ in greedy])                                # [N]
-    row = {"eval/accuracy": greedy_right.mean().item(),
-           "eval/accuracy_lenient": torch.cat([l for _, l in greedy]).mean().item(),
+    greedy_right = torch.cat(strict)                                                # [N]
+    row = {"eval/accuracy": greedy_right.mean().item(), "eval/accuracy_lenient": torch.cat(lenient).mean().item(),
            **{f"eval/pass@{k}": value for k, value in mean_pass_at_k(n_right, args.pass_k).items()},
            f"eval/mean@{args.pass_k}": right.mean().item()}
     if "type" in test.column_names:     # the hidden-type task: each type apart (tepokit/forks.py)
@@ -548,7 +548,7 @@ def train(args: Args, obj_overrides: dict) -> dict:
     A stop signal (Ctrl-C, SIGTERM, SIGHUP) finishes the step, checkpoints it and exits (tepokit/stop.py)."""
     t_start = time.time()
     run = start_run(args, obj_overrides)
-    args = run.args
+    args = run.args                    # with --resume: the saved settings, which start_run read
     last_step = args.steps if args.stop_after is None else min(args.steps, args.stop_after)
     bar = tqdm(range(run.first_step, last_step + 1), initial=run.first_step - 1, total=last_step,
                desc=f"{args.objective} seed {args.seed}", dynamic_ncols=True)
@@ -594,12 +594,11 @@ def train(args: Args, obj_overrides: dict) -> dict:
 def start_run(args: Args, obj_overrides: dict) -> Run:
     """Load the task and the models, then either resume from the run directory's checkpoint or start
     afresh: config.json, empty logs, the starting model's evaluation (step 0) and checkpoint 0.
-    The run directory is locked before anything in it changes: at once when resuming, when it is created
-    for a new run (after everything has loaded, so a failed load leaves nothing behind)."""
+    The run directory is locked (claimed) once everything has loaded and before anything in it changes:
+    a failed load leaves nothing behind, and a run that resumes the same directory meanwhile is refused."""
     torch.set_num_threads(args.threads)
     resume_dir = args.resume
-    lock = rundir.claim_run_dir(resume_dir, resume=True) if resume_dir else None
-    args, obj_overrides = cli.resumed_args(args, obj_overrides)
+    args, obj_overrides = cli.run_settings(args, obj_overrides)     # with --resume: the run's saved settings
     device = pick_device(args)
     cfg = cli.objective_config(args, obj_overrides)
     rundir.seed_everything(args.seed)
@@ -617,8 +616,7 @@ def start_run(args: Args, obj_overrides: dict) -> Run:
     identity = rundir.run_identity(args.objective, model, tokenizer, task_fingerprint(task))
     if resume_dir:                     # still nothing changed: the run must be the one that was saved
         rundir.check_same_run(resume_dir, identity)
-    else:
-        lock = rundir.claim_run_dir(run_dir, resume=False, overwrite=args.overwrite)
+    lock = rundir.claim_run_dir(run_dir, resume=bool(resume_dir), overwrite=args.overwrite)
     run = Run(args=args, cfg=cfg, objective=tepo.OBJECTIVES[args.objective], device=device, run_dir=run_dir,
               lock=lock, identity=identity, model=model, ref_model=ref_model, tokenizer=tokenizer,
               optimizer=torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.999)),
@@ -629,6 +627,8 @@ def start_run(args: Args, obj_overrides: dict) -> Run:
               trackers=Trackers(trackers_of(args.report_to), run_dir,
                                 {**dataclasses.asdict(args), **dataclasses.asdict(cfg)}))
     logs = [p for p in (os.path.join(run_dir, "metrics.jsonl"), run.details_path) if p is not None]
+    # Again: the task, a warm-up and the models' construction drew random numbers, and how many depends on
+    # what was cached; from here the stream is the seed's, whatever was loaded (a resume then sets its own).
     rundir.seed_everything(args.seed)
     if resume_dir:
         ckpt = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)
@@ -657,7 +657,7 @@ def start_run(args: Args, obj_overrides: dict) -> Run:
 def dry_run(args: Args, obj_overrides: dict) -> None:
     """--dry-run: print the memory plan; nothing is trained, loaded or written (with --model, only its
     config is read, and the data set is not needed)."""
-    args, obj_overrides = cli.resumed_args(args, obj_overrides)
+    args, obj_overrides = cli.run_settings(args, obj_overrides)
     cfg = cli.objective_config(args, obj_overrides)
     check_memory(args, None, pick_device(args), tepo.needs_ref(args.objective, cfg))
 

@@ -448,7 +448,7 @@ def parse_args(Args, argv=None) -> tuple:
     obj_overrides = {k: v for k, v in given.items() if k not in Args.__dataclass_fields__}
     if args.resume:
         saved, checkpoint_step = check_resumable(args.resume, Args, RUN_ONLY_FIELDS)
-        args, obj_overrides = resume_args(args, obj_overrides, set(given), saved, checkpoint_step)
+        args, obj_overrides = saved_settings(args, obj_overrides, set(given), saved, checkpoint_step)
     check_values(args, obj_overrides)
     check_installed(args.report_to)
     for run_dir in {args.out, args.resume} - {None}:       # a live run's directory is refused at once
@@ -485,7 +485,7 @@ def objective_config(args, obj_overrides: dict) -> tepo.ObjectiveConfig:
     return cfg
 
 
-def resume_args(args, obj_overrides: dict, given: set[str], saved: dict,
+def saved_settings(args, obj_overrides: dict, given: set[str], saved: dict,
                 checkpoint_step: int) -> tuple:
     """The saved run's settings, with the command line's run-only fields (RUN_ONLY_FIELDS) and --steps.
 
@@ -516,10 +516,11 @@ def resume_args(args, obj_overrides: dict, given: set[str], saved: dict,
             dict(saved["objective_overrides"]))
 
 
-def resumed_args(args, obj_overrides: dict) -> tuple:
-    """With --resume: the saved settings, with run-only fields and --steps from args (parse_args has
-    already refused flags that would change the run; compare_objectives() resumes its runs without flags)."""
+def run_settings(args, obj_overrides: dict) -> tuple:
+    """The settings a run uses: args as they are, or with --resume the run's saved settings (saved_settings)
+    with run-only fields and --steps from args. parse_args has already refused flags that would change the
+    run; the run directory is read again because compare_objectives() resumes its runs without parse_args."""
     if not args.resume:
         return args, obj_overrides
     saved, checkpoint_step = check_resumable(args.resume, type(args), RUN_ONLY_FIELDS)
-    return resume_args(args, obj_overrides, {"steps"}, saved, checkpoint_step)
+    return saved_settings(args, obj_overrides, {"steps"}, saved, checkpoint_step)

@@ -14,7 +14,7 @@ import tepo
 import train_small as ts
 import tepokit.cli
 import tepokit.helptext
-from tepokit.cli import DEMO, REGIMES, build_parser, field_kinds, objective_config, parse_args, resume_args
+from tepokit.cli import DEMO, REGIMES, build_parser, field_kinds, objective_config, parse_args, saved_settings
 from tepokit.model import START_MODEL_DIR, committed_start_model
 from tepokit.tests.helpers import SCRIPT, parse_outcome, assert_refused_in_one_line, fake_run
 
@@ -234,11 +234,11 @@ def test_resume_refuses_flags_that_change_what_is_computed(tmp_path):
     assert_refused_in_one_line(["--out", run_dir], "--out", f"--resume {run_dir}")
 
 
-def test_resume_args_keeps_saved_settings_and_takes_run_only_fields():
+def test_saved_settings_are_kept_on_resume_with_the_run_only_fields_given():
     saved_args = ts.Args(objective="grpo", lr=3e-4, steps=10, threads=2)
     saved = {"args": dataclasses.asdict(saved_args), "objective_overrides": {"beta": 0.1}}
     cli = ts.Args(resume="r", threads=1, steps=20, lr=3e-4)
-    args, overrides = resume_args(cli, {}, {"resume", "threads", "steps", "lr"}, saved, checkpoint_step=7)
+    args, overrides = saved_settings(cli, {}, {"resume", "threads", "steps", "lr"}, saved, checkpoint_step=7)
     assert (args.objective, args.lr, args.threads, args.steps, args.out, args.resume) == ("grpo", 3e-4, 1, 20, "r", "r")
     assert overrides == {"beta": 0.1}
 
