@@ -131,9 +131,10 @@ def identity_differences(saved: dict, found: dict) -> list[str]:
     return [key for key, value in saved.items() if found.get(key) != value]
 
 
-# Settings added after runs were saved without them, with the value that does what those runs did, so that
-# --resume continues them with the same arithmetic: generate sampled, and the old log-probs were recomputed.
-SETTINGS_ADDED_LATER = {"sampler": "generate", "recompute_old_logprobs": True}
+# Settings a config.json may lack (it was written before they existed), with the value that does what such a
+# run did, so that --resume continues it with the same arithmetic: generate sampled, and the old log-probs were
+# recomputed.
+DEFAULTS_OF_OLDER_CONFIGS = {"sampler": "generate", "recompute_old_logprobs": True}
 
 
 def check_resumable(run_dir: str, Args, run_only: tuple) -> tuple[dict, int]:
@@ -161,7 +162,7 @@ def check_resumable(run_dir: str, Args, run_only: tuple) -> tuple[dict, int]:
     if unknown:
         fail(f"argument --resume: {config_path} has settings this version of train_small.py does not know "
              f"({', '.join(unknown)}); {CANNOT_RESUME}")
-    for name, value in SETTINGS_ADDED_LATER.items():    # a run saved before they existed did this
+    for name, value in DEFAULTS_OF_OLDER_CONFIGS.items():    # what a run saved before they existed did
         saved["args"].setdefault(name, value)
     missing = sorted(set(Args.__dataclass_fields__) - set(run_only) - set(saved["args"]))
     if missing:

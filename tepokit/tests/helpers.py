@@ -23,6 +23,14 @@ from tepokit.rundir import save_checkpoint
 
 
 REPO = str(Path(__file__).resolve().parents[2])      # the repository root
+F64 = torch.float64
+
+
+def assert_close(actual, expected, atol=1e-10, rtol=1e-9, msg=None):
+    """torch.testing.assert_close in float64, for tensors and plain numbers alike."""
+    actual = actual.detach().to(F64) if torch.is_tensor(actual) else torch.tensor(actual, dtype=F64)
+    expected = expected.detach().to(F64) if torch.is_tensor(expected) else torch.tensor(expected, dtype=F64)
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=msg)
 SCRIPT = os.path.join(REPO, "train_small.py")
 
 

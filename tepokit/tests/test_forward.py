@@ -8,7 +8,7 @@ import tepokit.forward
 import train_small as ts
 from tepokit.forward import completion_logits, token_logprobs
 from tepokit.model import build_char_tokenizer
-from test_tepo import F64, assert_close
+from tepokit.tests.helpers import F64, assert_close
 
 
 def test_chunked_token_logprobs_equal_tepo_values_and_gradients(monkeypatch):

@@ -65,7 +65,8 @@ def test_a_tracker_that_is_not_installed_is_refused_before_anything_loads(workdi
     assert_refused_in_one_line([*MICRO, "--report-to", "tensorboard,wandb", "--out", "runs/report_missing"],
                                "--report-to", "wandb is not installed", "pip install wandb")
     assert not os.path.exists("runs/report_missing")
-    assert_refused_in_one_line([*MICRO, "--report-to", "tensorboard,comet"], "--report-to", "tensorboard, trackio, wandb")
+    assert_refused_in_one_line([*MICRO, "--report-to", "tensorboard,comet"], "--report-to",
+                               "tensorboard, trackio, wandb")
 
 
 def test_report_to_names():

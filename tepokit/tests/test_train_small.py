@@ -13,9 +13,8 @@ import train_small as ts
 from tepokit.entropy_check import checked_rows
 from tepokit.model import build_char_tokenizer, build_tiny_model
 from tepokit.stats import accuracy_auc
-from test_tepo import F64, assert_close, cfg
-from tepokit.tests.helpers import (MICRO, brute_force_pass_at_k, hand_batch, micro_run, read_details, read_rows,
-                                   run_main, start_process, without_timing)
+from tepokit.tests.helpers import (F64, MICRO, assert_close, brute_force_pass_at_k, hand_batch, micro_run,
+                                   read_details, read_rows, run_main, start_process, without_timing)
 
 
 def test_end_token_is_in_loss_mask_when_pad_equals_eos():
@@ -56,7 +55,8 @@ def test_recomputed_logprobs_equal_sampling_logprobs():
         assert torch.equal(batch[key], values)   # old log-probs, which the first mini-batch replaces)
     assert (batch["sampling_logp"] - recomputed.logp).abs()[mask].max().item() < 1e-5
     assert (batch["sampling_entropy"] - recomputed.entropy).abs()[mask].max().item() < 1e-5
-    assert (sampled.entropy_check_positions.before - recomputed.entropy_check_positions.before).abs().max().item() < 1e-4   # the check's logits
+    before_update = (sampled.entropy_check_positions.before, recomputed.entropy_check_positions.before)
+    assert (before_update[0] - before_update[1]).abs().max().item() < 1e-4          # the entropy check's logits
     # recomputed: the update's first mini-batch sees ratio exactly 1 (same rows, same forward) ...
     assert m_recomputed["logprobs/first_minibatch_max_abs_log_ratio"] == 0.0
     # ... sampled: it measures the sampler's distance from the forward, then takes the forward's own values
@@ -205,8 +205,8 @@ def test_micro_batches_accumulate_to_the_same_optimizer_steps(objective, overrid
     results = []
     for micro in (0, 2):
         model = copy.deepcopy(base)
-        ref = copy.deepcopy(base).requires_grad_(False) if tepo.needs_ref(objective, cfg(objective, **overrides)) \
-            else None
+        needs_ref = tepo.needs_ref(objective, tepo.config_for(objective, **overrides))
+        ref = copy.deepcopy(base).requires_grad_(False) if needs_ref else None
         args = ts.Args(group_size=4, prompts_per_step=4, mini_batches=2, micro_batch_size=micro, max_new_tokens=6,
                        entropy_check_rows=4, temperature=0.9)
         run = micro_run(model, None, args, objective, ref_model=ref, **overrides)
