@@ -52,7 +52,8 @@ __all__ = [
     "soft_overlong_punishment",
     # 2. configuration
     "ObjectiveConfig", "RATIO_MODES", "ENTROPY_CRITERIA", "KL_TARGETS", "KL_MODES", "BLOCK_AGGREGATIONS",
-    "check_config", "PAPER_DEFAULTS", "TRAINER_FIELDS", "FIELDS_READ", "config_for", "needs_ref", "needs_entropy",
+    "check_config", "InvalidSetting", "PAPER_DEFAULTS", "TRAINER_FIELDS", "FIELDS_READ", "config_for", "needs_ref",
+    "needs_entropy",
     # 3. objectives
     "clipped_surrogate", "ppo_clip_loss", "grpo_loss", "dapo_loss", "dr_grpo_loss", "clip_cov_loss", "kl_cov_loss",
     "gspo_loss", "gspo_token_loss", "tepo_kl_mask", "tepo_loss", "mpo_loss", "OBJECTIVES",
@@ -67,10 +68,20 @@ def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+class InvalidSetting(ValueError):
+    """A setting outside its valid values, in one line: `<name>=<value> is not valid; choose <valid>`.
+    A ValueError, with the parts kept (name, value, valid) for a caller that says it in its own words
+    (train_small.py names the flag)."""
+
+    def __init__(self, name: str, value, valid: str):
+        super().__init__(f"{name}={value!r} is not valid; choose {valid}")
+        self.name, self.value, self.valid = name, value, valid
+
+
 def _check_choice(name: str, value, choices) -> None:
-    """One-line ValueError naming the argument, the bad value and the valid choices."""
+    """InvalidSetting naming the argument, the bad value and the valid choices."""
     if value not in choices:
-        raise ValueError(f"{name}={value!r} is not valid; choose one of: {', '.join(map(str, choices))}")
+        raise InvalidSetting(name, value, "one of: " + ", ".join(map(str, choices)))
 
 
 # =====================================================================================================
@@ -103,7 +114,7 @@ def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     if rewards.dim() != 1:
         raise ValueError(f"rewards: expected shape [B], got {tuple(rewards.shape)}")
     if int(group_size) != group_size or group_size < 1:
-        raise ValueError(f"group_size={group_size!r} is not valid; choose an integer >= 1")
+        raise InvalidSetting("group_size", group_size, "an integer >= 1")
     if rewards.numel() % group_size != 0:
         raise ValueError(f"rewards: a batch of {rewards.numel()} is not a whole number of groups of "
                          f"group_size={group_size}; choose a group_size that divides the batch")
@@ -169,7 +180,7 @@ def block_index(mask: torch.Tensor, block_size: int) -> torch.Tensor:
     (n = 0, 1, ...) is in block n // K. For left-aligned responses this is simply t // K.
     """
     if int(block_size) != block_size or block_size < 1:
-        raise ValueError(f"block_size={block_size!r} is not valid; choose an integer K >= 1")
+        raise InvalidSetting("block_size", block_size, "an integer K >= 1")
     n_before = mask.long().cumsum(-1) - 1                                   # valid tokens before t
     return n_before.clamp(min=0) // block_size
 
@@ -395,7 +406,7 @@ def soft_overlong_punishment(lengths: torch.Tensor, max_len: int, cache_len: int
     times `factor`. The paper uses L_max = 20480, L_cache = 4096.
     """
     if cache_len <= 0 or cache_len > max_len:
-        raise ValueError(f"cache_len={cache_len!r} is not valid; choose 0 < cache_len <= max_len={max_len}")
+        raise InvalidSetting("cache_len", cache_len, f"0 < cache_len <= max_len={max_len}")
     lengths = lengths.to(torch.float64 if lengths.dtype == torch.float64 else torch.float32)
     expected = max_len - cache_len
     ramp = (expected - lengths) / cache_len
@@ -468,18 +479,17 @@ def check_config(cfg: ObjectiveConfig) -> None:
     _check_choice("block_agg", cfg.block_agg, BLOCK_AGGREGATIONS)
     for name in ("eps_low", "eps_high", "beta", "kl_tau", "adv_eps", "clip_cov_ratio", "kl_cov_ratio", "entropy_coef"):
         if not getattr(cfg, name) >= 0:
-            raise ValueError(f"{name}={getattr(cfg, name)!r} is not valid; choose a number >= 0")
+            raise InvalidSetting(name, getattr(cfg, name), "a number >= 0")
     if not cfg.log_ratio_clamp > 0:
-        raise ValueError(f"log_ratio_clamp={cfg.log_ratio_clamp!r} is not valid; choose a number > 0")
+        raise InvalidSetting("log_ratio_clamp", cfg.log_ratio_clamp, "a number > 0")
     if cfg.dual_clip_c is not None and not cfg.dual_clip_c > 1:
-        raise ValueError(f"dual_clip_c={cfg.dual_clip_c!r} is not valid; choose a number > 1 or None")
+        raise InvalidSetting("dual_clip_c", cfg.dual_clip_c, "a number > 1 or None")
     if cfg.norm_constant is not None and not cfg.norm_constant > 0:
-        raise ValueError(f"norm_constant={cfg.norm_constant!r} is not valid; choose a number > 0 or None")
+        raise InvalidSetting("norm_constant", cfg.norm_constant, "a number > 0 or None")
     if int(cfg.block_size) != cfg.block_size or cfg.block_size < 1:
-        raise ValueError(f"block_size={cfg.block_size!r} is not valid; choose an integer K >= 1")
+        raise InvalidSetting("block_size", cfg.block_size, "an integer K >= 1")
     if not cfg.clip_cov_lb < cfg.clip_cov_ub:
-        raise ValueError(f"clip_cov_lb={cfg.clip_cov_lb!r} is not valid; choose clip_cov_lb < "
-                         f"clip_cov_ub={cfg.clip_cov_ub!r}")
+        raise InvalidSetting("clip_cov_lb", cfg.clip_cov_lb, f"clip_cov_lb < clip_cov_ub={cfg.clip_cov_ub!r}")
 
 
 # Each paper's settings ([P] paper, [I] verl/TRL, [INFERRED] this project's reconstruction).

@@ -1920,6 +1920,18 @@ def test_config_for_unknown_objective_or_field_raises():
     raises_naming(lambda: tepo.config_for("grpo", not_a_field=1), r"not_a_field")
 
 
+def test_an_invalid_setting_keeps_its_name_value_and_valid_values():
+    """InvalidSetting is a ValueError whose parts a caller can word itself (train_small.py names the flag)."""
+    for overrides, name, value, valid in [({"eps_low": -0.1}, "eps_low", -0.1, "a number >= 0"),
+                                          ({"kl_mode": "firm"}, "kl_mode", "firm", "one of: soft, hard"),
+                                          ({"clip_cov_lb": 6.0}, "clip_cov_lb", 6.0, "clip_cov_lb < clip_cov_ub=5.0")]:
+        with pytest.raises(tepo.InvalidSetting) as caught:
+            tepo.config_for("tepo", **overrides)
+        assert isinstance(caught.value, ValueError)
+        assert (caught.value.name, caught.value.value, caught.value.valid) == (name, value, valid)
+        assert str(caught.value) == f"{name}={value!r} is not valid; choose {valid}"
+
+
 # =============================================================================
 # 14. Configuration (property 45)
 # =============================================================================

@@ -374,13 +374,14 @@ def check_values(args, obj_overrides: dict) -> None:
     for objective, overrides in compare_entries(args) if args.compare else [(args.objective, {})]:
         try:
             tepo.config_for(objective, **{**obj_overrides, **overrides})
-        except ValueError as e:       # "eps_low=-0.1 is not valid; choose a number >= 0"
-            m = re.fullmatch(r"(\w+)=(.*) is not valid; choose (.*)", str(e))
-            if not m:
+        except tepo.InvalidSetting as e:      # said with flags: e.name, and the settings named in e.valid
+            if e.name not in kinds:           # not a setting of a flag (an unknown objective in --compare)
                 fail(str(e))
-            valid = re.sub(r"\b([a-z]+(?:_[a-z]+)+)(=(\S+))?",       # field names and values as flags
-                           lambda f: flag(f[1]) + (f" ({f[3]})" if f[2] else "") if f[1] in kinds else f[0], m[3])
-            fail(f"argument {flag(m[1])}: invalid value {m[2]}; choose {valid}")
+            valid = re.sub(r"\b([a-z]+(?:_[a-z]+)+)(=(\S+))?",
+                           lambda f: flag(f[1]) + (f" ({f[3]})" if f[2] else "") if f[1] in kinds else f[0], e.valid)
+            fail(f"argument {flag(e.name)}: invalid value {e.value!r}; choose {valid}")
+        except ValueError as e:
+            fail(str(e))
     if args.engine == "trl" and obj_overrides.get("entropy_coef"):
         fail(f"argument --entropy-coef: invalid value {obj_overrides['entropy_coef']!r}; choose 0 with --engine trl "
              "(TRL's GRPOTrainer has no entropy bonus), or --engine tepo")
