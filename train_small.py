@@ -690,3 +690,5 @@ if __name__ == "__main__":
         sys.exit(e.exit_status)
     except OSError as e:          # the disk, the file system, the permissions: one line, and what to do
         fail(os_error_line(e))
+    except rundir.DamagedLog as e:  # a log --compare reads back, damaged by hand
+        fail(str(e))

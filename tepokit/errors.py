@@ -9,12 +9,12 @@ import sys
 
 from tqdm.auto import tqdm
 
-PROGRAM = "train_small.py"       # the command an error line names; python -m tepokit.plot sets its own
+PROGRAM = "train_small.py"       # the command an error line names; python -m tepokit.plot names its own
 
 
-def fail(message: str) -> None:
-    """A user mistake: one line on stderr, exit status 2, no traceback."""
-    print(f"{PROGRAM}: error: {message}", file=sys.stderr)
+def fail(message: str, program: str = PROGRAM) -> None:
+    """A user mistake: one line on stderr, naming the command (`program`), exit status 2, no traceback."""
+    print(f"{program}: error: {message}", file=sys.stderr)
     raise SystemExit(2)
 
 

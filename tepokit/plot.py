@@ -13,9 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tepokit import errors
 from tepokit.errors import fail, first_line, os_error_line
-from tepokit.rundir import read_log
+from tepokit.rundir import DamagedLog, read_log
 
 PROGRAM = "python -m tepokit.plot"
 
@@ -26,7 +25,7 @@ def read_run(run_dir, name: str | None = None) -> dict | None:
     """{name, metrics, steps, config, summary, details, planned} of a run directory, or None when it has no
     metrics.jsonl. `steps` are the rows of RL steps (row 0 is the start model's evaluation); `details` is
     details.jsonl (TEPO runs only) or None; `planned` the --steps of config.json. A damaged file raises
-    ValueError with one line that names it (a damaged .jsonl line ends the program in one line: read_log)."""
+    ValueError with one line that names it (a damaged .jsonl line: read_log's DamagedLog)."""
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
         return None
@@ -225,28 +224,27 @@ FIGURES = {"accuracy_reward.png": accuracy_and_reward, "entropy.png": entropy, "
            "clip_fractions.png": clip_fractions, "entropy_change.png": entropy_change}
 
 
+def refuse(message: str) -> None:
+    """A user mistake, in one line that names this command (tepokit.errors.fail)."""
+    fail(message, program=PROGRAM)
+
+
 def main(argv=None) -> int:
-    before, errors.PROGRAM = errors.PROGRAM, PROGRAM       # error lines name this command, also read_log's
-    try:
-        return write_figures(argv)
-    finally:
-        errors.PROGRAM = before
-
-
-def write_figures(argv) -> int:
     parser = argparse.ArgumentParser(prog=PROGRAM, description="Write the standard figures of a run of "
                                      "train_small.py as PNG files into RUN_DIR/figures/.")
-    parser.error = fail
+    parser.error = refuse
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory of train_small.py (its --out)")
     run_dir = Path(parser.parse_args(argv).run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
-        fail(f"{run_dir} is not a run directory of train_small.py (it has no metrics.jsonl); give a run's --out")
+        refuse(f"{run_dir} is not a run directory of train_small.py (it has no metrics.jsonl); give a run's --out")
     try:
         run = read_run(run_dir)
+    except DamagedLog as e:
+        refuse(str(e))
     except ValueError as e:
-        fail(f"{e}; the run's logs are damaged")
+        refuse(f"{e}; the run's logs are damaged")
     if not run["metrics"]:
-        fail(f"{run_dir / 'metrics.jsonl'} is empty: the run has not logged its first evaluation yet")
+        refuse(f"{run_dir / 'metrics.jsonl'} is empty: the run has not logged its first evaluation yet")
     import matplotlib
     matplotlib.use("Agg")             # files only: no display needed, none opened
     import matplotlib.pyplot as plt
@@ -266,7 +264,7 @@ def write_figures(argv) -> int:
             plt.close(figure)
             print(f"{out / name} ({size // 1024} KB)")
     except OSError as e:
-        fail(os_error_line(e))
+        refuse(os_error_line(e))
     return 0
 
 

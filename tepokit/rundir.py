@@ -360,7 +360,10 @@ def check_log(path: str, first_step: int, checkpoint_step: int) -> int:
     rows lie after the checkpoint (the resumed run computes them again). Otherwise one line; only reads."""
     if not os.path.isfile(path):
         fail(f"argument --resume: {path} is missing; without it the run's record is incomplete; {CANNOT_RESUME}")
-    rows = read_log(path)
+    try:
+        rows = read_log(path)
+    except DamagedLog as e:
+        fail(f"argument --resume: {e}; {CANNOT_RESUME}")
     for number, row in enumerate(rows, 1):
         if not (isinstance(row, dict) and type(row.get("step")) is int):
             fail(f"argument --resume: {path}, line {number}: {json.dumps(row)[:60]} is not the row of a step (an "
@@ -496,9 +499,14 @@ def append_row(path: str, row: dict) -> None:
         f.flush()
 
 
+class DamagedLog(ValueError):
+    """A .jsonl log with a line that is not JSON (other than a cut-off last line), in one line naming it. The
+    commands say it as their one-line error; a notebook gets the exception."""
+
+
 def read_log(path: str) -> list[dict]:
     """The rows of a .jsonl log (none if it does not exist yet). A last line without its newline is a
-    row whose write was cut off (kill -9): it is left out. Any other bad line is reported in one line.
+    row whose write was cut off (kill -9): it is left out. Any other bad line raises DamagedLog.
     A metric written as null (how strict JSON writes NaN) is read back as NaN; `sample` (details.jsonl)
     stays None."""
     if not os.path.exists(path):
@@ -510,7 +518,8 @@ def read_log(path: str) -> list[dict]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            fail(f"{path}, line {number}: not a JSON row ({e.msg}, column {e.colno}); the log is damaged")
+            raise DamagedLog(f"{path}, line {number}: not a JSON row ({e.msg}, column {e.colno}); the log is "
+                             "damaged") from None
         if isinstance(row, dict):
             row = {k: math.nan if v is None and k != "sample" else v for k, v in row.items()}
         rows.append(row)
