@@ -72,8 +72,7 @@ class Trackers:
             action()
         except Exception as e:  # noqa: BLE001 -- any failure of a tracker: metrics.jsonl still has everything
             self.open.pop(name, None)
-            warn(f"--report-to {name} failed at {when} ({type(e).__name__}: {first_line(e)}); its curves stop "
-                 f"there, and {os.path.join(self.run_dir, 'metrics.jsonl')} keeps every row")
+            warn_failed(name, when, e, self.run_dir)
 
     def __enter__(self):
         return self
@@ -81,6 +80,12 @@ class Trackers:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+def warn_failed(name: str, when: str, error: Exception, run_dir: str) -> None:
+    """The one line that says a tracker failed and is dropped (both engines)."""
+    warn(f"--report-to {name} failed at {when} ({type(error).__name__}: {first_line(error)}); its curves stop "
+         f"there, and {os.path.join(run_dir, 'metrics.jsonl')} keeps every row")
 
 
 # ---- one start, log and close per tracker ----------------------------------------------------------------

@@ -49,13 +49,13 @@ from trl import GRPOConfig, GRPOTrainer
 
 import tepo
 from tepokit.cli import objective_config
-from tepokit.errors import fail, first_line, warn
+from tepokit.errors import fail
 from tepokit.hub import without_transformers_bars
 from tepokit.model import prepare_start_model
 from tepokit.rundir import (CANNOT_RESUME, check_same_run, claim_run_dir, newest_whole_trl_checkpoint, read_log,
                             run_identity, run_name, save_pretrained_atomically, seed_everything,
                             set_aside_trl_checkpoints, to_json, write_atomically, write_json)
-from tepokit.report import trackers_of
+from tepokit.report import trackers_of, warn_failed
 from tepokit.stop import StopSignals, stopped_after
 from tepokit.task import format_prompt, gold_answer, load_task, score_completions, task_fingerprint
 
@@ -293,8 +293,7 @@ class KeepTrainingIfReportingFails:
             except Exception as e:  # noqa: BLE001 -- whatever the tracker raised, training goes on
                 name = type(self.callback).__name__.removesuffix("Callback")
                 self.callback = None
-                warn(f"--report-to: {name} failed at {event} ({type(e).__name__}: {first_line(e)}); its curves "
-                     f"stop there, and {os.path.join(self.run_dir, 'metrics.jsonl')} will hold every row")
+                warn_failed(name, event, e, self.run_dir)
                 return None
         return guarded
 
