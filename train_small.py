@@ -33,9 +33,8 @@ The logged metrics are defined in docs/metrics.md.
 
 Simplifications, said plainly:
   - One process, one device, no vLLM. Mini-batches hold whole groups (minibatch_plan says why).
-  - DAPO's dynamic sampling drops zero-std groups but does NOT sample more prompts to refill the batch:
-    the step trains on fewer groups, and a step whose groups are all dropped makes no update
-    (logged as `dynamic_sampling/skipped` = 1).
+  - DAPO's dynamic sampling drops zero-std groups but does NOT sample more prompts to refill the batch: the
+    step trains on fewer groups; with all dropped it makes no update (logged as `dynamic_sampling/skipped` = 1).
   - Prompts are the question followed by a newline; no chat template is applied.
   - The reference model (loaded only when tepo.needs_ref says so) is the model RL starts from.
 
@@ -168,13 +167,15 @@ class Args:
 # 2. The task and its reward (the task itself: tepokit/task.py)
 # =====================================================================================================
 
-def compute_rewards(batch: dict, texts: list[str], golds: list, args: Args, cfg: tepo.ObjectiveConfig) -> dict:
-    """Task reward (1 if right under --reward parsing, else 0) plus DAPO's soft length cost."""
+def compute_rewards(texts: list[str], golds: list, lengths: torch.Tensor, args: Args,
+                    cfg: tepo.ObjectiveConfig) -> dict:
+    """Task reward (1 if right under --reward parsing, else 0) plus DAPO's soft length cost, from the completions'
+    texts, gold answers and lengths in tokens [B]. Returns rewards, strict, lenient: [B] float each (CPU)."""
     strict, lenient = score_completions(texts, golds)
     rewards = (strict if args.reward == "strict" else lenient).clone()
     if cfg.overlong_penalty:
-        lengths = batch["completion_mask"].sum(1).float().cpu()
-        rewards = rewards + tepo.soft_overlong_punishment(lengths, args.max_new_tokens, args.overlong_cache)
+        rewards = rewards + tepo.soft_overlong_punishment(lengths.float().cpu(), args.max_new_tokens,
+                                                          args.overlong_cache)
     return dict(rewards=rewards, strict=strict, lenient=lenient)
 
 
@@ -191,17 +192,26 @@ def prompts_for_step(step: int, n_train: int, args: Args) -> list[int]:
     return perm[slot * args.prompts_per_step:(slot + 1) * args.prompts_per_step].tolist()
 
 
+@dataclass
+class Rollout:
+    """One step's completions: B = prompts x G rows, each prompt's G rows contiguous; P prompt positions
+    (left-padded) and T completion positions. The sampler's fields are None when it was not asked for them."""
+    prompt_ids: torch.Tensor                    # [B, P] each prompt's tokens, repeated G times
+    prompt_mask: torch.Tensor                   # [B, P] 1 on prompt tokens, 0 on the left padding
+    completion_ids: torch.Tensor                # [B, T] the sampled tokens
+    completion_mask: torch.Tensor               # [B, T] 1 up to and including the end token (completion_mask)
+    truncated: torch.Tensor                     # [B] bool: stopped by --max-new-tokens, without an end token
+    sampling_logp: torch.Tensor | None = None   # [B, T] log-prob of each token, from the logits that chose it
+    sampling_entropy: torch.Tensor | None = None  # [B, T] entropy of those logits
+    sampling_logits: torch.Tensor | None = None   # [c, T, V] the raw logits of the first c rows (keep_logits_rows)
+
+
 @torch.no_grad()
 def generate_group(model, tokenizer, questions: list[str], group_size: int, args: Args, device,
-                   greedy: bool = False, want_logprobs: bool = False, keep_logits_rows: int = 0) -> dict:
+                   greedy: bool = False, want_logprobs: bool = False, keep_logits_rows: int = 0) -> Rollout:
     """G completions per prompt, sampled at temperature T (tepokit/sampling.py: a KV-cache loop for
-    GPT-2-shaped models, model.generate for the others). Groups are contiguous rows.
-
-    Returns prompt_ids/prompt_mask [B, P] (left-padded), completion_ids/completion_mask [B, T], and
-    the sampled tokens' log-probs and entropies as the sampler computed them, from the logits that
-    chose each token (sampling_logp, sampling_entropy [B, T]; from generate only if want_logprobs),
-    with the raw logits of the first keep_logits_rows rows (sampling_logits [rows, T, V]).
-    """
+    GPT-2-shaped models, model.generate for the others). The sampler's log-probs and entropies come
+    with the loop, and from generate only if want_logprobs."""
     enc = tokenizer([format_prompt(q) for q in questions], return_tensors="pt", padding=True,
                     truncation=True, max_length=args.max_prompt_tokens)
     out = sample(model, enc.input_ids.to(device), enc.attention_mask.to(device), group_size, args, device,
@@ -210,15 +220,12 @@ def generate_group(model, tokenizer, questions: list[str], group_size: int, args
     eos_ids = eos_ids_of(model)
     mask = completion_mask(completion_ids, eos_ids)
     ends_with_eos = torch.isin(completion_ids[:, -1], torch.tensor(eos_ids, device=device))
-    batch = dict(prompt_ids=enc.input_ids.repeat_interleave(group_size, 0).to(device),        # [B, P]
-                 prompt_mask=enc.attention_mask.repeat_interleave(group_size, 0).to(device),  # [B, P]
-                 completion_ids=completion_ids, completion_mask=mask,
-                 truncated=(mask.sum(1) == completion_ids.shape[1]) & ~ends_with_eos)
-    if "logp" in out:
-        batch["sampling_logp"], batch["sampling_entropy"] = out["logp"], out["entropy"]
-    if "logits" in out:
-        batch["sampling_logits"] = out["logits"]
-    return batch
+    return Rollout(prompt_ids=enc.input_ids.repeat_interleave(group_size, 0).to(device),
+                   prompt_mask=enc.attention_mask.repeat_interleave(group_size, 0).to(device),
+                   completion_ids=completion_ids, completion_mask=mask,
+                   truncated=(mask.sum(1) == completion_ids.shape[1]) & ~ends_with_eos,
+                   sampling_logp=out.get("logp"), sampling_entropy=out.get("entropy"),
+                   sampling_logits=out.get("logits"))
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
@@ -232,9 +239,9 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> torch.T
     return (ends_before == 0).long()
 
 
-def decode(tokenizer, batch: dict) -> list[str]:
+def decode(tokenizer, batch: Rollout) -> list[str]:
     """Completion texts, with everything after the end token removed."""
-    ids = torch.where(batch["completion_mask"].bool(), batch["completion_ids"], tokenizer.pad_token_id)
+    ids = torch.where(batch.completion_mask.bool(), batch.completion_ids, tokenizer.pad_token_id)
     return tokenizer.batch_decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
@@ -242,38 +249,84 @@ def decode(tokenizer, batch: dict) -> list[str]:
 # 4. The RL step
 # =====================================================================================================
 
+@dataclass
+class Run:
+    """What one RL run holds from step to step."""
+    args: Args
+    cfg: tepo.ObjectiveConfig
+    objective: object                   # tepo.OBJECTIVES[args.objective]
+    device: torch.device
+    run_dir: str
+    lock: object                        # the run directory's lock, held for the run's lifetime
+    identity: dict                      # objective, model shape, tokenizer, data: checked on --resume
+    model: object
+    ref_model: object                   # None unless the objective needs one (tepo.needs_ref)
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    train_set: object
+    test_set: object
+    first_step: int                     # 1, or the step after the checkpoint when resuming
+    details_path: str | None            # details.jsonl, TEPO only
+    recompute: bool                     # old log-probs by a forward pass (sampling.recompute_old_logprobs)
+    sampler_logprobs: bool              # the sampler gives log-probs (sampling.sampler_logprobs_wanted)
+    trackers: Trackers                  # --report-to: every metrics.jsonl row also goes there, live
+
+
+@dataclass
+class OldPolicy:
+    """The rollout (old) policy's view of a rollout, from before any update: what the ratios and the
+    KL terms of the update compare with. B rows of T completion positions; 0 after a row's end."""
+    logp: torch.Tensor                  # [B, T] log pi_old of each sampled token
+    entropy: torch.Tensor               # [B, T] entropy of pi_old at each position
+    ref_logp: torch.Tensor | None       # [B, T] the reference model's log-probs, when the objective needs them
+    entropy_check_positions: EntropyCheckPositions  # logits before the update where step 7 measures
+
+    def take_rows(self, rows: torch.Tensor, logp: torch.Tensor, entropy: torch.Tensor | None) -> None:
+        """Rows [b] become the policy's own forward (logp, entropy [b, T]). Before the rollout's first optimizer
+        step the policy IS the old policy: its forward replaces the sampler's values, which differ from it by
+        rounding, so the first mini-batch is exactly on-policy; later epochs read the replaced values."""
+        self.logp[rows] = logp.detach().to(self.logp.dtype)
+        if entropy is not None:
+            self.entropy[rows] = entropy.detach().to(self.entropy.dtype)
+
+
 def rl_step(run: Run, step: int) -> tuple[dict, dict | None]:
-    """One RL step, the seven steps of the module docstring. Returns its metrics row (and details row)."""
+    """One RL step, the seven steps of the module docstring. B = --prompts-per-step x --group-size rows.
+    Returns its metrics row (one flat dict of numbers, docs/metrics.md) and, for TEPO, its details row."""
     args, clock = run.args, PhaseClock()        # seconds (and, under --bench, FLOPs) of each phase
     check_entropy = step % args.entropy_check_every == 0                # 7. runs on this step
-    records = run.train_set.select(prompts_for_step(step, len(run.train_set), args))            # 1. prompts
-    batch = generate_group(run.model, run.tokenizer, list(records["question"]), args.group_size, args,   # 2. samples
+    records = run.train_set.select(prompts_for_step(step, len(run.train_set), args))  # 1. a Dataset: question, answer
+    batch = generate_group(run.model, run.tokenizer, list(records["question"]), args.group_size, args,  # 2. Rollout
                            run.device, want_logprobs=run.sampler_logprobs,
                            keep_logits_rows=checked_rows(args) if check_entropy and not run.recompute else 0)
     clock.lap("generate")
-    golds = [gold_answer(a) for a in records["answer"] for _ in range(args.group_size)]
-    texts = decode(run.tokenizer, batch)
-    scored = compute_rewards(batch, texts, golds, args, run.cfg)                                # 3. rewards
-    adv, keep = compute_advantages(scored["rewards"], args, run.cfg)                            # 4. advantages    [B]
+    texts = decode(run.tokenizer, batch)                                                # [B] str
+    golds = [gold_answer(a) for a in records["answer"] for _ in range(args.group_size)]  # [B] right numbers
+    scored = compute_rewards(texts, golds, batch.completion_mask.sum(1), args, run.cfg)  # 3. rewards, strict, lenient
+    adv, keep = compute_advantages(scored["rewards"], args, run.cfg)                    # 4. [B] float, [B] bool
     clock.lap("reward")
     for group in run.optimizer.param_groups:
         group["lr"] = learning_rate(step, args)
-    plan = minibatch_plan(keep, args)                  # the rows of each optimizer step (none: all dropped)
+    plan = minibatch_plan(keep, args)                  # rows [b] per micro-batch per optimizer step; [] if none kept
     check_entropy = check_entropy and bool(plan)       # no update, no entropy change to measure
-    old, before_update = rollout_statistics(run, batch, adv, plan, check_entropy)              # 5. old log-probs
+    old, rollout_stats = rollout_statistics(run, batch, adv, plan, check_entropy)   # 5. OldPolicy; dict of floats
     clock.lap("old_logprobs")
-    details = KLMaskDetails(run.cfg, batch["completion_ids"].shape[1], run.device) if run.details_path else None
-    losses = update_policy(run, batch, old, adv, plan, details) if plan else {}                 # 6. update
+    # TEPO: which tokens the KL mask took, per mini-batch (tepokit/kl_mask_log.py, for details.jsonl); else None
+    details = KLMaskDetails(run.cfg, batch.completion_ids.shape[1], run.device) if run.details_path else None
+    losses = update_policy(run, batch, old, adv, plan, details) if plan else {}     # 6. dict of floats
     clock.lap("update")
-    entropy_change = (entropy_check(run, batch, old.entropy_check_positions) if check_entropy        # 7. measure
-                      else NO_ENTROPY_CHANGE if not plan else {})     # no update; or not measured on this step
+    if check_entropy:                                                               # 7. dict of floats
+        entropy_change = entropy_check(run, batch, old.entropy_check_positions)
+    else:                  # a step without an update changed nothing; otherwise the check skipped this step
+        entropy_change = NO_ENTROPY_CHANGE if not plan else {}
     clock.lap("entropy_check")
+    # [B] str: each row's type of problem on the hidden-type task, else None
     types = [t for t in records["type"] for _ in range(args.group_size)] if "type" in records.column_names else None
-    row = {"step": step, **rollout_metrics(batch, scored, keep, old, before_update, run.recompute, args),
-           **rollout_fork_metrics(texts, types, old.entropy, old.logp, adv, batch["completion_mask"],
-                                  scored["strict"], args.group_size, one_token_per_character=args.model is None),
-           **losses, **entropy_change,
-           **clock.row(), "perf/tokens_per_second": batch["completion_mask"].sum().item() / clock.total()}
+    forks = rollout_fork_metrics(texts, types, old.entropy, old.logp, adv, batch.completion_mask, scored["strict"],
+                                 args.group_size, one_token_per_character=args.model is None)
+    tokens = batch.completion_mask.sum().item()
+    row = {"step": step, **rollout_metrics(batch, scored, keep, args), **rollout_stats, **forks, **losses,
+           **entropy_change, **clock.row(), "perf/tokens_per_second": tokens / clock.total()}
     return row, details.row(step, batch, scored["rewards"], run.tokenizer) if details else None
 
 
@@ -315,26 +368,8 @@ def minibatch_plan(keep: torch.Tensor, args: Args) -> list[list[torch.Tensor]]:
     return plan
 
 
-@dataclass
-class OldPolicy:
-    """The rollout (old) policy's view of a rollout, from before any update: what the ratios and the
-    KL terms of the update compare with. B rows of T completion positions; 0 after a row's end."""
-    logp: torch.Tensor                  # [B, T] log pi_old of each sampled token
-    entropy: torch.Tensor               # [B, T] entropy of pi_old at each position
-    ref_logp: torch.Tensor | None       # [B, T] the reference model's log-probs, when the objective needs them
-    entropy_check_positions: EntropyCheckPositions  # logits before the update where step 7 measures
-
-    def take_rows(self, rows: torch.Tensor, logp: torch.Tensor, entropy: torch.Tensor | None) -> None:
-        """Rows [b] become the policy's own forward (logp, entropy [b, T]). Before the rollout's first optimizer
-        step the policy IS the old policy: its forward replaces the sampler's values, which differ from it by
-        rounding, so the first mini-batch is exactly on-policy; later epochs read the replaced values."""
-        self.logp[rows] = logp.detach().to(self.logp.dtype)
-        if entropy is not None:
-            self.entropy[rows] = entropy.detach().to(self.entropy.dtype)
-
-
 @torch.no_grad()
-def rollout_statistics(run, batch: dict, adv: torch.Tensor, plan: list, check_entropy: bool = True):
+def rollout_statistics(run: Run, batch: Rollout, adv: torch.Tensor, plan: list, check_entropy: bool = True):
     """Before any update: the old policy (log-probs, entropy, reference log-probs, and the logits the
     entropy check starts from) and the rollout's statistics (mean entropy, Cov(log pi, A), precision).
     Returns (OldPolicy, metrics).
@@ -346,8 +381,8 @@ def rollout_statistics(run, batch: dict, adv: torch.Tensor, plan: list, check_en
     kernels: same rows, same shapes, same arithmetic. Rows no optimizer step sees (dropped by DAPO's
     filter) are still needed for the rollout's entropy and covariance.
     """
-    args, B = run.args, batch["completion_ids"].shape[0]
-    mask = batch["completion_mask"]                                                 # [B, T]
+    args, B = run.args, batch.completion_ids.shape[0]
+    mask = batch.completion_mask                                                 # [B, T]
     first_epoch = [rows for minibatch in plan[:len(plan) // args.epochs] for rows in minibatch]
     seen = torch.zeros(B, dtype=torch.bool)
     for rows in first_epoch:
@@ -361,31 +396,34 @@ def rollout_statistics(run, batch: dict, adv: torch.Tensor, plan: list, check_en
         ref_logp = torch.zeros(mask.shape, dtype=dtype, device=mask.device)        # [B, T]
         for rows in forwards:
             ref_logp[rows] = token_logprobs(completion_logits(run.ref_model, batch, rows, args),
-                                            batch["completion_ids"][rows.to(mask.device)], args.temperature).to(dtype)
+                                            batch.completion_ids[rows.to(mask.device)], args.temperature).to(dtype)
     if run.recompute:
         old_logp = torch.zeros(mask.shape, dtype=dtype, device=mask.device)         # [B, T]
         entropy = torch.zeros_like(old_logp)                                        # [B, T]
         for rows in forwards:
             logits = completion_logits(run.model, batch, rows, args)               # [b, T, V]
-            old_logp[rows] = token_logprobs(logits, batch["completion_ids"][rows.to(mask.device)],
+            old_logp[rows] = token_logprobs(logits, batch.completion_ids[rows.to(mask.device)],
                                             args.temperature).to(dtype)
             entropy[rows] = token_entropy(logits, args.temperature).to(dtype)
             positions.capture(rows, logits)
             del logits                 # before the next forward allocates its own
     else:                              # the sampler's, computed at the same temperature; copies, because the
-        old_logp = batch["sampling_logp"].to(dtype, copy=True)      # first mini-batch replaces them (take_rows)
-        entropy = batch["sampling_entropy"].to(dtype, copy=True)                    # [B, T]
+        old_logp = batch.sampling_logp.to(dtype, copy=True)      # first mini-batch replaces them (take_rows)
+        entropy = batch.sampling_entropy.to(dtype, copy=True)                    # [B, T]
         if positions.rows:
-            positions.capture(torch.arange(positions.rows), batch["sampling_logits"][:positions.rows])
+            positions.capture(torch.arange(positions.rows), batch.sampling_logits[:positions.rows])
     old = OldPolicy(logp=old_logp, entropy=entropy, ref_logp=ref_logp, entropy_check_positions=positions)
     covariance = tepo.token_covariance(old_logp, adv.to(mask.device), mask)        # [B, T]
     metrics = {"entropy": tepo.masked_mean(entropy, mask).item(),
                "cov/logp_adv": tepo.masked_mean(covariance, mask).item(),
                **precision_noise_floor(run, batch, forwards[0], old_logp)}
+    if run.recompute and batch.sampling_logp is not None:    # how far the sampler's were from the recomputed
+        gap = (batch.sampling_logp - old_logp).abs()[mask.bool()]
+        metrics["logprobs/sampling_vs_recomputed_max_abs"] = gap.max().item()
     return old, metrics
 
 
-def update_policy(run, batch: dict, old: OldPolicy, adv: torch.Tensor, plan: list, details=None) -> dict:
+def update_policy(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor, plan: list, details=None) -> dict:
     """One optimizer step per mini-batch of the plan, its gradient accumulated over its micro-batches.
 
     The objective is told the mini-batch's token and sequence counts (num_tokens, num_seqs), so the
@@ -397,7 +435,7 @@ def update_policy(run, batch: dict, old: OldPolicy, adv: torch.Tensor, plan: lis
     model, args = run.model, run.args
     if args.gradient_checkpointing:
         model.train()   # transformers checkpoints only in train mode; dropout is off (switch_off_dropout)
-    mask, adv = batch["completion_mask"], adv.to(batch["completion_mask"].device)
+    mask, adv = batch.completion_mask, adv.to(batch.completion_mask.device)
     steps, first = [], None
     for i, micro_batches in enumerate(plan):
         rows = torch.cat(micro_batches)
@@ -426,19 +464,16 @@ def update_policy(run, batch: dict, old: OldPolicy, adv: torch.Tensor, plan: lis
     return out
 
 
-def micro_batch_loss(run, batch: dict, old: OldPolicy, adv: torch.Tensor, rows: torch.Tensor, counts: dict,
+def micro_batch_loss(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor, rows: torch.Tensor, counts: dict,
                      details=None, replace_old: bool = False):
-    """The objective on one micro-batch: (loss, metrics, |log pi - log pi_old| at its valid tokens [n]).
+    """The objective on one micro-batch: (loss [], metrics, |log pi - log pi_old| at its valid tokens [n]).
 
-    replace_old (the first mini-batch, with the sampler's old log-probs): the policy IS the behaviour
-    policy before the rollout's first optimizer step, so this forward's log-probs and entropies replace
-    the sampler's rows of `old` (OldPolicy.take_rows), which differ from them by rounding (~1e-6): exactly
-    on-policy, as when they are recomputed, and a penalty on |log ratio| (whose gradient is the sign of
-    the log-ratio) does not act on rounding. The returned gap is measured before the replacement: how far
-    the old log-probs it was given were from this forward's."""
+    replace_old (the first mini-batch, with the sampler's old log-probs): this forward's log-probs and
+    entropies replace the sampler's rows of `old` (OldPolicy.take_rows says why), after the returned
+    gap is measured: how far the old log-probs it was given were from this forward's."""
     args, cfg = run.args, run.cfg
     idx = rows.to(adv.device)
-    mask, tokens = batch["completion_mask"][idx], batch["completion_ids"][idx]     # [b, T]
+    mask, tokens = batch.completion_mask[idx], batch.completion_ids[idx]     # [b, T]
     logits = completion_logits(run.model, batch, rows, args)                       # [b, T, V]
     logp = token_logprobs(logits, tokens, args.temperature)                          # [b, T]
     # The current entropy: for the objective when its criterion needs it, and for the details log
@@ -459,22 +494,16 @@ def micro_batch_loss(run, batch: dict, old: OldPolicy, adv: torch.Tensor, rows: 
     return loss, metrics, log_ratio
 
 
-def rollout_metrics(batch: dict, scored: dict, keep: torch.Tensor, old: OldPolicy, before_update: dict,
-                    recomputed: bool, args: Args) -> dict:
-    """What the rollout looked like: rewards, accuracy, lengths, and (before_update, rollout_statistics')
-    entropy, covariance and precision; with recomputed old log-probs, how far the sampler's were from them."""
-    mask, rewards = batch["completion_mask"], scored["rewards"]
-    row = {"reward": rewards.mean().item(), "reward_std": rewards.std().item(),
-           "accuracy/strict": scored["strict"].mean().item(), "accuracy/lenient": scored["lenient"].mean().item(),
-           "frac_reward_zero_std": 1 - tepo.dynamic_sampling_mask(rewards, args.group_size).float().mean().item(),
-           "dynamic_sampling/kept_frac": keep.float().mean().item(),
-           "dynamic_sampling/skipped": float(not keep.any()),
-           "completions/mean_length": mask.sum(1).float().mean().item(),
-           "completions/clipped_ratio": batch["truncated"].float().mean().item(), **before_update}
-    if "sampling_logp" in batch and recomputed:
-        gap = (batch["sampling_logp"] - old.logp).abs()
-        row["logprobs/sampling_vs_recomputed_max_abs"] = gap[mask.bool()].max().item()
-    return row
+def rollout_metrics(batch: Rollout, scored: dict, keep: torch.Tensor, args: Args) -> dict:
+    """What the rollout looked like: rewards, accuracy, groups kept, lengths."""
+    mask, rewards = batch.completion_mask, scored["rewards"]
+    return {"reward": rewards.mean().item(), "reward_std": rewards.std().item(),
+            "accuracy/strict": scored["strict"].mean().item(), "accuracy/lenient": scored["lenient"].mean().item(),
+            "frac_reward_zero_std": 1 - tepo.dynamic_sampling_mask(rewards, args.group_size).float().mean().item(),
+            "dynamic_sampling/kept_frac": keep.float().mean().item(),
+            "dynamic_sampling/skipped": float(not keep.any()),
+            "completions/mean_length": mask.sum(1).float().mean().item(),
+            "completions/clipped_ratio": batch.truncated.float().mean().item()}
 
 
 # =====================================================================================================
@@ -519,29 +548,6 @@ def dataset_chunks(data, n: int, size: int):
 # =====================================================================================================
 # 6. The loop: start or resume a run, step, evaluate, log, checkpoint
 # =====================================================================================================
-
-@dataclass
-class Run:
-    """What one RL run holds from step to step."""
-    args: Args
-    cfg: tepo.ObjectiveConfig
-    objective: object                   # tepo.OBJECTIVES[args.objective]
-    device: torch.device
-    run_dir: str
-    lock: object                        # the run directory's lock, held for the run's lifetime
-    identity: dict                      # objective, model shape, tokenizer, data: checked on --resume
-    model: object
-    ref_model: object                   # None unless the objective needs one (tepo.needs_ref)
-    tokenizer: object
-    optimizer: torch.optim.Optimizer
-    train_set: object
-    test_set: object
-    first_step: int                     # 1, or the step after the checkpoint when resuming
-    details_path: str | None            # details.jsonl, TEPO only
-    recompute: bool                     # old log-probs by a forward pass (sampling.recompute_old_logprobs)
-    sampler_logprobs: bool              # the sampler gives log-probs (sampling.sampler_logprobs_wanted)
-    trackers: Trackers                  # --report-to: every metrics.jsonl row also goes there, live
-
 
 def train(args: Args, obj_overrides: dict) -> dict:
     """One RL run: start (or resume) it, then step, evaluate, log and checkpoint; the summary at the end.

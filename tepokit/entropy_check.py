@@ -31,9 +31,9 @@ class EntropyCheckPositions:
     vocabulary each position costs 0.6 MB in float32, so the number must be bounded.
     """
 
-    def __init__(self, batch: dict, args):
-        rows = min(checked_rows(args), batch["completion_ids"].shape[0])
-        valid = batch["completion_mask"][:rows].bool()                              # [c, T]
+    def __init__(self, batch, args):
+        rows = min(checked_rows(args), batch.completion_ids.shape[0])
+        valid = batch.completion_mask[:rows].bool()                              # [c, T]
         valid &= valid.flatten().cumsum(0).view_as(valid) <= ENTROPY_CHECK_MAX_POSITIONS
         self.rows, self.valid = rows, valid
         self.slot = torch.full(valid.shape, -1, dtype=torch.long, device=valid.device)  # [c, T]
@@ -56,7 +56,7 @@ class EntropyCheckPositions:
 
 
 @torch.no_grad()
-def entropy_check(run, batch: dict, positions: EntropyCheckPositions) -> dict:
+def entropy_check(run, batch, positions: EntropyCheckPositions) -> dict:
     """Predicted vs measured entropy change of this step's updates, at the same completion positions
     (tepo.entropy_change_prediction: -Cov_p(log p, z_after - z_before) against H_after - H_before):
     entropy_change/predicted and /measured (means over the positions) and /position_corr (their

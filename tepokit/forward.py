@@ -26,8 +26,9 @@ def autocast(device, precision: str):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
-def completion_logits(model, batch: dict, rows, args) -> torch.Tensor:
+def completion_logits(model, batch, rows, args) -> torch.Tensor:
     """Logits at the completion positions only (prompt logits are never materialised).   [b, T, V]
+    `batch` is a rollout (train_small.Rollout: prompt and completion ids and masks), `rows` [b] its rows.
 
     Left padding + absolute positions: position_ids = cumsum(attention_mask) - 1, exactly as
     generate did, otherwise every log-prob is off (by up to 14 nats on GPT-2).
@@ -39,9 +40,9 @@ def completion_logits(model, batch: dict, rows, args) -> torch.Tensor:
     the built-in task's prompts are ~65 tokens, its completions ~16. Not with gradient checkpointing,
     under which transformers keeps no keys and values.
     """
-    rows = rows.to(batch["prompt_ids"].device)
-    prompt_ids, prompt_mask = batch["prompt_ids"][rows], batch["prompt_mask"][rows]                  # [b, P]
-    completion_ids, completion_mask = batch["completion_ids"][rows], batch["completion_mask"][rows]  # [b, T]
+    rows = rows.to(batch.prompt_ids.device)
+    prompt_ids, prompt_mask = batch.prompt_ids[rows], batch.prompt_mask[rows]                  # [b, P]
+    completion_ids, completion_mask = batch.completion_ids[rows], batch.completion_mask[rows]  # [b, T]
     P, T = prompt_ids.shape[1], completion_ids.shape[1]
     attn = torch.cat([prompt_mask, completion_mask], 1)                                  # [b, P+T]
     position_ids = (attn.cumsum(1) - 1).clamp(min=0)
@@ -138,7 +139,7 @@ def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def precision_noise_floor(run, batch: dict, rows: torch.Tensor, logp: torch.Tensor) -> dict:
+def precision_noise_floor(run, batch, rows: torch.Tensor, logp: torch.Tensor) -> dict:
     """How far the run's precision puts the log-probs from float32's, on one micro-batch: max and mean
     |log pi(bf16 autocast) - log pi(fp32)| over its valid tokens (0 in fp32, not computed).
 
@@ -149,7 +150,7 @@ def precision_noise_floor(run, batch: dict, rows: torch.Tensor, logp: torch.Tens
         return {"precision/logp_error_max": 0.0, "precision/logp_error_mean": 0.0}
     fp32_args = dataclasses.replace(run.args, precision="fp32")
     exact = token_logprobs(completion_logits(run.model, batch, rows, fp32_args),
-                           batch["completion_ids"][rows.to(logp.device)], run.args.temperature)
-    valid = batch["completion_mask"][rows.to(logp.device)].bool()
+                           batch.completion_ids[rows.to(logp.device)], run.args.temperature)
+    valid = batch.completion_mask[rows.to(logp.device)].bool()
     error = (logp[rows] - exact).abs()[valid]
     return {"precision/logp_error_max": error.max().item(), "precision/logp_error_mean": error.mean().item()}

@@ -74,7 +74,7 @@ class KLMaskDetails:
         self.valid.append(self.open[1])
         self.open = None
 
-    def row(self, step: int, batch: dict, rewards: torch.Tensor, tokenizer) -> dict:
+    def row(self, step: int, batch, rewards: torch.Tensor, tokenizer) -> dict:
         """The JSON row of this step; a skipped step (no add()) has empty lists and no sample."""
         row = {"step": step}
         masked = torch.stack(self.masked).tolist() if self.masked else []   # [n_minibatches, 3]
@@ -86,7 +86,7 @@ class KLMaskDetails:
         row["sample"] = self.sample(batch, rewards, tokenizer) if self.last is not None else None
         return row
 
-    def sample(self, batch: dict, rewards: torch.Tensor, tokenizer) -> dict:
+    def sample(self, batch, rewards: torch.Tensor, tokenizer) -> dict:
         """The last micro-batch's first row in rollout order with A > 0 (its first row if none)."""
         last = self.last
         order = last["rows"].argsort()                       # mini-batch positions in rollout order
@@ -101,8 +101,8 @@ class KLMaskDetails:
             values = x[valid].tolist()
             return values if digits is None else [round(v, digits) for v in values]
 
-        return {"prompt": tokenizer.decode(batch["prompt_ids"][r][batch["prompt_mask"][r].bool()]),
-                "tokens": [tokenizer.decode([i]) for i in tokens_of(batch["completion_ids"][r])],
+        return {"prompt": tokenizer.decode(batch.prompt_ids[r][batch.prompt_mask[r].bool()]),
+                "tokens": [tokenizer.decode([i]) for i in tokens_of(batch.completion_ids[r])],
                 "reward": rewards[r].item(), "advantage": last["adv"][j].item(),
                 **{f"kl_mask{key}": tokens_of(m[j].int()) for key, m in last["masks"].items()},
                 "entropy": tokens_of(last["old_entropy"][j], 4), "entropy_after": tokens_of(last["entropy"][j], 4),

@@ -69,17 +69,18 @@ def micro_run(model, tokenizer, args, objective, ref_model=None, lr=1e-3, recomp
                   recompute=recompute, sampler_logprobs=True, trackers=Trackers([], "", {}))
 
 
-def hand_batch(vocab: int, rows: int, prompt: int, completion: int, seed: int = 0) -> dict:
-    """A rollout batch made by hand: left-padded prompts and completions of different lengths."""
+def hand_batch(vocab: int, rows: int, prompt: int, completion: int, seed: int = 0):
+    """A rollout made by hand (train_small.Rollout): left-padded prompts and completions of different lengths;
+    no row is truncated, and there are no sampler fields."""
     g = torch.Generator().manual_seed(seed)
     prompt_mask = torch.ones(rows, prompt, dtype=torch.long)
     completion_mask = torch.ones(rows, completion, dtype=torch.long)
     for i in range(rows):
         prompt_mask[i, :i % 3] = 0                                   # left padding
         completion_mask[i, completion - i % 4:] = 0                  # right padding after the end
-    return dict(prompt_ids=torch.randint(1, vocab, (rows, prompt), generator=g), prompt_mask=prompt_mask,
-                completion_ids=torch.randint(1, vocab, (rows, completion), generator=g),
-                completion_mask=completion_mask)
+    return ts.Rollout(prompt_ids=torch.randint(1, vocab, (rows, prompt), generator=g), prompt_mask=prompt_mask,
+                      completion_ids=torch.randint(1, vocab, (rows, completion), generator=g),
+                      completion_mask=completion_mask, truncated=torch.zeros(rows, dtype=torch.bool))
 
 
 def read_details(run_dir):

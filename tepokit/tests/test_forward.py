@@ -42,11 +42,11 @@ def test_prompts_read_once_per_group_give_the_logits_and_gradient_of_one_forward
     torch.manual_seed(0)
     model = build_tiny_model(ts.Args(arch=arch, n_layer=2, n_embd=32, n_head=2), tok).double().eval()
     batch = hand_batch(len(tok), rows=12, prompt=7, completion=6, seed=1)
-    for key in ("prompt_ids", "prompt_mask"):             # groups of 4 rows share a prompt
-        batch[key] = batch[key][::4].repeat_interleave(4, 0)
-    assert (batch["prompt_mask"] == 0).any() and len(set(batch["completion_mask"].sum(1).tolist())) > 1
+    batch.prompt_ids = batch.prompt_ids[::4].repeat_interleave(4, 0)       # groups of 4 rows share a prompt
+    batch.prompt_mask = batch.prompt_mask[::4].repeat_interleave(4, 0)
+    assert (batch.prompt_mask == 0).any() and len(set(batch.completion_mask.sum(1).tolist())) > 1
     rows = torch.tensor([0, 1, 2, 3, 4, 5, 9, 10])            # two whole groups and parts of two
-    valid = batch["completion_mask"][rows].bool()
+    valid = batch.completion_mask[rows].bool()
     weights = torch.randn(len(rows), 6, len(tok), dtype=torch.float64)
     results = []
     for full in (True, False):

@@ -75,12 +75,12 @@ def test_rows_stop_at_their_end_token_and_the_loop_at_the_last_one():
 def test_the_kept_logits_are_a_full_forwards_at_the_completion_positions():
     model, tok, enc, eos = tiny()
     loop, _ = both(model, tok, enc, eos, keep=5)
-    batch = dict(prompt_ids=enc.input_ids.repeat_interleave(4, 0),
-                 prompt_mask=enc.attention_mask.repeat_interleave(4, 0),
-                 completion_ids=loop["completion_ids"],
-                 completion_mask=ts.completion_mask(loop["completion_ids"], eos))
+    batch = ts.Rollout(prompt_ids=enc.input_ids.repeat_interleave(4, 0),
+                       prompt_mask=enc.attention_mask.repeat_interleave(4, 0),
+                       completion_ids=loop["completion_ids"],
+                       completion_mask=ts.completion_mask(loop["completion_ids"], eos), truncated=None)
     full = completion_logits(model, batch, torch.arange(5), ts.Args())                   # [5, T, V]
-    valid = batch["completion_mask"][:5].bool()
+    valid = batch.completion_mask[:5].bool()
     assert loop["logits"].shape == full.shape
     assert (loop["logits"] - full).abs()[valid].max() < 1e-4
     recomputed = tepo.token_logprobs_from_logits(full, loop["completion_ids"][:5], 0.7)
@@ -98,9 +98,9 @@ def test_float64_and_bf16():
     assert loop64["logp"].dtype == torch.float64
     mask = ts.completion_mask(loop64["completion_ids"], eos).bool()
     assert torch.equal(loop64["completion_ids"], gen64["completion_ids"])
-    batch = dict(prompt_ids=enc.input_ids.repeat_interleave(4, 0),
-                 prompt_mask=enc.attention_mask.repeat_interleave(4, 0),
-                 completion_ids=loop64["completion_ids"], completion_mask=mask.long())
+    batch = ts.Rollout(prompt_ids=enc.input_ids.repeat_interleave(4, 0),
+                       prompt_mask=enc.attention_mask.repeat_interleave(4, 0),
+                       completion_ids=loop64["completion_ids"], completion_mask=mask.long(), truncated=None)
     recomputed = tepo.token_logprobs_from_logits(completion_logits(model64, batch, torch.arange(12), ts.Args()),
                                                  loop64["completion_ids"], 0.7)      # generate's logits are float32
     assert (loop64["logp"] - recomputed).abs()[mask].max() < 1e-10
@@ -112,14 +112,14 @@ def test_float64_and_bf16():
     assert (greedy32["logp"][:, 0] - greedy16["logp"][:, 0]).abs().max() < 0.1
 
 
-def whole_sequence_logits(model, batch: dict, precision: str) -> torch.Tensor:
+def whole_sequence_logits(model, batch, precision: str) -> torch.Tensor:
     """One forward pass over prompt + completion (no KV cache), under the run's autocast for `precision`: the
     float32 logits at the positions that predict each completion token, the one before it.          [B, T, V]"""
-    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)               # [B, P+T]
+    attention = torch.cat([batch.prompt_mask, batch.completion_mask], 1)               # [B, P+T]
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-        logits = model(input_ids=torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+        logits = model(input_ids=torch.cat([batch.prompt_ids, batch.completion_ids], 1),
                        attention_mask=attention, position_ids=(attention.cumsum(1) - 1).clamp(min=0)).logits
-    return logits[:, batch["prompt_ids"].shape[1] - 1:-1].float()                           # [B, T, V]
+    return logits[:, batch.prompt_ids.shape[1] - 1:-1].float()                           # [B, T, V]
 
 
 # bf16 keeps 8 significant bits: a logit between 8 and 16 is stored to a step of 2^-4 = 0.0625, and two
@@ -148,12 +148,12 @@ def test_bf16_sampling_is_a_whole_sequence_forward_at_every_position():
     questions = list(make_arithmetic_task(15, n_train=40, n_test=4, seed=1)["test"]["question"])
     torch.manual_seed(0)
     batch = ts.generate_group(model, tok, questions, 4, args, torch.device("cpu"), want_logprobs=True)
-    valid = batch["completion_mask"].bool()                        # [B, T]
-    assert (batch["prompt_mask"] == 0).any() and valid.sum(1).min() < valid.shape[1]   # left padding; rows end
-    sampled = {"logp": batch["sampling_logp"], "entropy": batch["sampling_entropy"]}
+    valid = batch.completion_mask.bool()                        # [B, T]
+    assert (batch.prompt_mask == 0).any() and valid.sum(1).min() < valid.shape[1]   # left padding; rows end
+    sampled = {"logp": batch.sampling_logp, "entropy": batch.sampling_entropy}
     for precision in ("bf16", "fp32"):
         logits = whole_sequence_logits(model, batch, precision)                             # [B, T, V]
-        forward = {"logp": tepo.token_logprobs_from_logits(logits, batch["completion_ids"], args.temperature),
+        forward = {"logp": tepo.token_logprobs_from_logits(logits, batch.completion_ids, args.temperature),
                    "entropy": tepo.entropy_from_logits(logits, args.temperature)}
         for quantity in ("logp", "entropy"):
             gap = (sampled[quantity] - forward[quantity]).abs()[valid]
@@ -161,7 +161,7 @@ def test_bf16_sampling_is_a_whole_sequence_forward_at_every_position():
             max_bound, mean_bound = BF16_SAMPLING_BOUNDS[precision, quantity]
             assert largest < max_bound and mean < mean_bound, (precision, quantity, largest, mean)
     # one position off: token t's log-prob from the logits at t (which predict token t + 1)
-    one_off = tepo.token_logprobs_from_logits(logits[:, 1:], batch["completion_ids"][:, :-1], args.temperature)
+    one_off = tepo.token_logprobs_from_logits(logits[:, 1:], batch.completion_ids[:, :-1], args.temperature)
     assert (sampled["logp"][:, :-1] - one_off).abs()[valid[:, :-1]].mean() > 1.0       # measured: 8.1 nats
 
 
@@ -225,9 +225,10 @@ def test_generate_group_uses_the_loop_or_generate_with_the_same_result():
         torch.manual_seed(3)
         out[sampler] = ts.generate_group(model, tok, QUESTIONS, 3, dataclasses.replace(args, sampler=sampler),
                                          torch.device("cpu"), want_logprobs=True, keep_logits_rows=4)
+    loop, generate = out["loop"], out["generate"]
     for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated"):
-        assert torch.equal(out["loop"][key], out["generate"][key]), key
-    mask = out["loop"]["completion_mask"].bool()
+        assert torch.equal(getattr(loop, key), getattr(generate, key)), key
+    mask = loop.completion_mask.bool()
     for key in ("sampling_logp", "sampling_entropy"):        # after a row's end: not used, and not compared
-        assert (out["loop"][key] - out["generate"][key]).abs()[mask].max() < 1e-5, key
-    assert (out["loop"]["sampling_logits"] - out["generate"]["sampling_logits"]).abs().max() < 1e-4
+        assert (getattr(loop, key) - getattr(generate, key)).abs()[mask].max() < 1e-5, key
+    assert (loop.sampling_logits - generate.sampling_logits).abs().max() < 1e-4

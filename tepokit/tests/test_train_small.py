@@ -39,22 +39,22 @@ def test_recomputed_logprobs_equal_sampling_logprobs():
     questions = ["Ann has 3 pens. How many?", "a?", "Ann has 12345 pens and 6789 more. How many?"]
     batch = ts.generate_group(base, tok, questions, 2, args, torch.device("cpu"), want_logprobs=True,
                               keep_logits_rows=checked_rows(args))
-    assert (batch["prompt_mask"] == 0).any()       # some rows really are left-padded
+    assert (batch.prompt_mask == 0).any()       # some rows really are left-padded
     adv = torch.randn(6)
     keep = torch.ones(6, dtype=torch.bool)
     plan = ts.minibatch_plan(keep, args)
-    sampler = {key: batch[key].clone() for key in ("sampling_logp", "sampling_entropy")}
+    sampler = {key: getattr(batch, key).clone() for key in ("sampling_logp", "sampling_entropy")}
     results = {}
     for recompute in (True, False):
         run = micro_run(copy.deepcopy(base), tok, args, "grpo", recompute=recompute, beta=0.0)
         old, _ = ts.rollout_statistics(run, batch, adv, plan)
         results[recompute] = old, ts.update_policy(run, batch, old, adv, plan)
     (recomputed, m_recomputed), (sampled, m_sampled) = results[True], results[False]
-    mask = batch["completion_mask"].bool()
+    mask = batch.completion_mask.bool()
     for key, values in sampler.items():          # the rollout's record stays the sampler's (not an alias of the
-        assert torch.equal(batch[key], values)   # old log-probs, which the first mini-batch replaces)
-    assert (batch["sampling_logp"] - recomputed.logp).abs()[mask].max().item() < 1e-5
-    assert (batch["sampling_entropy"] - recomputed.entropy).abs()[mask].max().item() < 1e-5
+        assert torch.equal(getattr(batch, key), values)   # old log-probs, which the first mini-batch replaces)
+    assert (batch.sampling_logp - recomputed.logp).abs()[mask].max().item() < 1e-5
+    assert (batch.sampling_entropy - recomputed.entropy).abs()[mask].max().item() < 1e-5
     before_update = (sampled.entropy_check_positions.before, recomputed.entropy_check_positions.before)
     assert (before_update[0] - before_update[1]).abs().max().item() < 1e-4          # the entropy check's logits
     # recomputed: the update's first mini-batch sees ratio exactly 1 (same rows, same forward) ...
@@ -90,19 +90,19 @@ def test_the_samplers_old_logprobs_make_the_recomputed_update_over_epochs_and_mi
     from transformers import GenerationConfig
     base.generation_config = GenerationConfig(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     batch = ts.generate_group(base, tok, EPOCH_QUESTIONS, 3, args, torch.device("cpu"), want_logprobs=True)
-    assert batch["sampling_logp"].dtype == F64 and (batch["prompt_mask"] == 0).any()
-    rows = batch["completion_ids"].shape[0]                                       # 24
+    assert batch.sampling_logp.dtype == F64 and (batch.prompt_mask == 0).any()
+    rows = batch.completion_ids.shape[0]                                       # 24
     adv = torch.randn(rows, dtype=F64, generator=torch.Generator().manual_seed(1))
     torch.manual_seed(2)
     plan = ts.minibatch_plan(torch.ones(rows, dtype=torch.bool), args)              # drawn once, used by both
     assert [[len(micro) for micro in minibatch] for minibatch in plan] == [[4, 2]] * 8
     first_minibatch = torch.zeros(rows, dtype=torch.bool)
     first_minibatch[torch.cat(plan[0])] = True
-    made_wrong = batch["completion_mask"].bool() & first_minibatch[:, None]         # [B, T]
+    made_wrong = batch.completion_mask.bool() & first_minibatch[:, None]         # [B, T]
     noise = 0.02 * torch.randn(made_wrong.shape, dtype=F64, generator=torch.Generator().manual_seed(3))
     noise = noise * made_wrong
-    batch["sampling_logp"] = batch["sampling_logp"] + noise
-    batch["sampling_entropy"] = batch["sampling_entropy"] + noise
+    batch.sampling_logp = batch.sampling_logp + noise
+    batch.sampling_entropy = batch.sampling_entropy + noise
     results = {}
     for recompute in (True, False):
         model = copy.deepcopy(base)
@@ -115,7 +115,7 @@ def test_the_samplers_old_logprobs_make_the_recomputed_update_over_epochs_and_mi
     start = torch.cat([p.flatten() for p in base.parameters()])
     assert (p_recomputed - start).abs().max() > 0.05                              # the 8 steps did move it
     assert_close(p_sampled, p_recomputed, atol=1e-9, rtol=0)
-    valid = batch["completion_mask"].bool()
+    valid = batch.completion_mask.bool()
     assert_close(sampled.logp[valid], recomputed.logp[valid], atol=1e-12, rtol=0)   # kept, replaced
     if tepo.needs_entropy(objective, run.cfg):         # TEPO's measured criterion: old entropies likewise
         assert_close(sampled.entropy[valid], recomputed.entropy[valid], atol=1e-12, rtol=0)
@@ -336,7 +336,7 @@ def test_entropy_coef_adds_the_bonus_to_the_objectives_loss_and_gradient(objecti
         run = micro_run(model, None, args, objective, entropy_coef=coef, **overrides)
         plan = ts.minibatch_plan(torch.ones(8, dtype=torch.bool), args)
         old, _ = ts.rollout_statistics(run, batch, adv, plan)
-        counts = dict(num_tokens=batch["completion_mask"].sum().item(), num_seqs=8.0)
+        counts = dict(num_tokens=batch.completion_mask.sum().item(), num_seqs=8.0)
         model.zero_grad(set_to_none=True)
         loss, _, _ = ts.micro_batch_loss(run, batch, old, adv, rows, counts)
         loss.backward()
@@ -345,7 +345,7 @@ def test_entropy_coef_adds_the_bonus_to_the_objectives_loss_and_gradient(objecti
     run.cfg = tepo.config_for(objective, entropy_coef=0.7, **overrides)
     from tepokit.forward import completion_logits
     model.zero_grad(set_to_none=True)
-    bonus = tepo.entropy_bonus(completion_logits(model, batch, rows, args), batch["completion_mask"], run.cfg,
+    bonus = tepo.entropy_bonus(completion_logits(model, batch, rows, args), batch.completion_mask, run.cfg,
                                args.temperature, **counts)
     bonus.backward()
     assert bonus.item() < 0
