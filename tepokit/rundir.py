@@ -21,7 +21,7 @@ import torch
 import tepo
 from tepokit.errors import fail, first_line
 from tepokit.hub import without_transformers_bars
-from tepokit.stats import accuracy_auc, pearson
+from tepokit.stats import MIN_STEPS_FOR_R, accuracy_auc, pearson
 from tepokit.task import HIDDEN_TYPES
 
 
@@ -565,7 +565,7 @@ def write_summary(run_dir: str, rows: list[dict], args, wall: float) -> dict:
         "steps_to_target": reached[0] if reached else None, "target_accuracy": args.target_accuracy,
         "final_entropy": updated[-1]["entropy"] if updated else None,
         "entropy_change_correlation": pearson([r["entropy_change/predicted"] for r in steps],
-                                              [r["entropy_change/measured"] for r in steps]),
+                                              [r["entropy_change/measured"] for r in steps], MIN_STEPS_FOR_R),
         "entropy_change_position_corr_median": position_corrs[len(position_corrs) // 2] if position_corrs else None,
         "wall_seconds": wall,
     }
@@ -582,7 +582,8 @@ def write_summary(run_dir: str, rows: list[dict], args, wall: float) -> dict:
         summary |= {"format_eval_min": min(r["eval/format"] for r in evals), "format_rollout_min": min(formats),
                     "format_rollout_mean": sum(formats) / len(formats)}
     if not math.isfinite(summary["entropy_change_correlation"]):       # null in the file: say why
-        summary["entropy_change_correlation_missing"] = "fewer than 3 steps with a finite entropy check"
+        summary["entropy_change_correlation_missing"] = (f"too few steps: fewer than {MIN_STEPS_FOR_R} with a "
+                                                         f"finite entropy check (--entropy-check-every)")
     write_json(os.path.join(run_dir, "summary.json"), summary)
     print_summary(summary, rows, args, wall)
     return summary
@@ -625,8 +626,10 @@ def print_summary(summary: dict, rows: list[dict], args, wall: float) -> None:
         span = end_span(len(measured))
         first, last = summary["entropy_start"], summary["entropy_end"]
         rows_out.append(("token entropy", f"{first:.3f} -> {last:.3f} nats ({100 * (last / first - 1):+.0f}%; "
-                         f"first and last {span} steps); predicted vs measured change per step: "
-                         f"r = {summary['entropy_change_correlation']:.2f}"))
+                         f"{'first and last step' if span == 1 else f'first and last {span} steps'}); "
+                         "predicted vs measured change per step: "
+                         + (f"r = {r:.2f}" if math.isfinite(r := summary["entropy_change_correlation"])
+                            else f"too few steps for r (fewer than {MIN_STEPS_FOR_R} checked)")))
     if summary.get("decision_entropy_start") is not None:       # the hidden-type task
         first, last = summary["decision_entropy_start"], summary["decision_entropy_end"]
         rows_out.append(("decision token", f"entropy {first:.3f} -> {last:.3f} nats ({100 * (last / first - 1):+.0f}%)"

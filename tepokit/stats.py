@@ -8,9 +8,16 @@ import math
 
 import torch
 
-def pearson(x: list[float], y: list[float]) -> float:
+# The fewest steps whose entropy changes make a per-step correlation worth printing. With 3 points r is near +-1
+# by chance alone (to differ from 0 at the 5% level it must exceed 0.997; with 5 points, 0.88), so a run with
+# fewer checked steps reports "too few steps" instead of a number.
+MIN_STEPS_FOR_R = 5
+
+
+def pearson(x: list[float], y: list[float], at_least: int = 3) -> float:
+    """Pearson's r over the pairs where both values are finite; nan with fewer than `at_least` pairs."""
     pairs = [(a, b) for a, b in zip(x, y) if math.isfinite(a) and math.isfinite(b)]
-    if len(pairs) < 3:
+    if len(pairs) < max(3, at_least):
         return float("nan")
     xs, ys = torch.tensor(pairs, dtype=torch.float64).T
     return torch.corrcoef(torch.stack([xs, ys]))[0, 1].item()

@@ -224,8 +224,8 @@ def test_resume_refuses_a_data_set_edited_since_the_run_started(workdir, tmp_pat
 
 # ---- strict JSON ---------------------------------------------------------------------------------------
 
-def test_every_file_a_run_writes_is_strict_json(workdir):
-    """A one-step run has fewer than 3 entropy checks: its correlation is NaN, written as null with the
+def test_every_file_a_run_writes_is_strict_json(workdir, capsys):
+    """A one-step run has too few entropy checks for r: its correlation is NaN, written as null with the
     reason beside it; every .json and .jsonl line parses with a parser that refuses NaN and Infinity."""
     out = "runs/strict"
     run_main([*MICRO, "--objective", "tepo", "--steps", "1", "--out", out])
@@ -236,6 +236,8 @@ def test_every_file_a_run_writes_is_strict_json(workdir):
             strict_loads(line)
     summary = strict_loads(Path(out, "summary.json").read_text())
     assert summary["entropy_change_correlation"] is None and summary["entropy_change_correlation_missing"]
+    entropy_line = next(line for line in capsys.readouterr().out.splitlines() if "token entropy" in line)
+    assert "first and last step); predicted vs measured change per step: too few steps for r" in entropy_line
 
 
 # ---- the operating system's errors ----------------------------------------------------------------------

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from tepokit.stats import accuracy_auc, pass_at_k, pass_k_values, student_t_central, t_interval, t_quantile_975
+from tepokit.stats import MIN_STEPS_FOR_R, accuracy_auc, pass_at_k, pearson, pass_k_values, student_t_central, t_interval, t_quantile_975
 from tepokit.tests.helpers import brute_force_pass_at_k
 
 
@@ -60,3 +60,15 @@ def test_mean_pass_at_k_averages_each_logged_k_over_problems():
     assert row[1] == pytest.approx((0 + 0.5 + 1) / 3)
     assert row[4] == pytest.approx(2 / 3)                  # any of the 4 right: problems 2 and 3
     assert row[2] == pytest.approx((0 + (1 - 1 / 6) + 1) / 3)  # C(2, 2) / C(4, 2) = 1/6 for the middle one
+
+
+def test_pearson_needs_enough_finite_pairs_and_equals_the_textbook_formula():
+    x, y = [0.1, -0.3, 0.7, 0.2, -0.5, float("nan")], [0.2, -0.1, 0.5, 0.4, -0.6, 1.0]
+    n = 5                                                      # the nan pair is left out
+    mx, my = sum(x[:n]) / n, sum(y[:n]) / n
+    sxy = sum((a - mx) * (b - my) for a, b in zip(x[:n], y[:n]))
+    textbook = sxy / math.sqrt(sum((a - mx) ** 2 for a in x[:n]) * sum((b - my) ** 2 for b in y[:n]))
+    assert pearson(x, y, MIN_STEPS_FOR_R) == pytest.approx(textbook, abs=1e-12)
+    assert math.isnan(pearson(x[:4], y[:4], MIN_STEPS_FOR_R))   # 4 steps: too few for a per-step r
+    assert pearson(x[:4], y[:4]) == pytest.approx(pearson(x[:4], y[:4], 4))   # the default asks for 3
+    assert math.isnan(pearson(x[:2], y[:2]))
