@@ -558,6 +558,7 @@ def train(args: Args, obj_overrides: dict) -> dict:
     last_step = args.steps if args.stop_after is None else min(args.steps, args.stop_after)
     bar = tqdm(range(run.first_step, last_step + 1), initial=run.first_step - 1, total=last_step,
                desc=f"{args.objective} seed {args.seed}", dynamic_ncols=True)
+    entropies = []                     # of the rollouts since the last evaluation line: it shows their mean
     with run.lock, run.trackers, StopSignals(finish_step=True) as stop:
         for step in bar:
             t0 = time.time()
@@ -574,9 +575,10 @@ def train(args: Args, obj_overrides: dict) -> dict:
             if details_row is not None:
                 rundir.append_row(run.details_path, details_row)
             bar.set_postfix({"reward": f"{row['reward']:.2f}", "H": f"{row['entropy']:.3f}"})
+            entropies.append(row["entropy"])
             if "eval/accuracy" in row:         # a line that stays on screen above the progress bar
-                bar.write(f"step {step:>4}: held-out accuracy {row['eval/accuracy']:.3f}, pass@{args.pass_k} "
-                          f"{row[f'eval/pass@{args.pass_k}']:.3f}, entropy {row['entropy']:.3f}")
+                bar.write(rundir.evaluation_line(row, args, entropies))
+                entropies = []
             # Read once: the save and the stop agree on it. A signal after this line waits for the next step's
             # end; at the run's last step, it waits for the policy and the summary to be written.
             stopping = stop.requested and step < args.steps
@@ -654,15 +656,13 @@ def start_run(args: Args, obj_overrides: dict) -> Run:
         start = evaluate(model, tokenizer, run.test_set, args, device)
         rundir.append_row(logs[0], {"step": 0, **start, "memory/process_before_model_mb": memory_before_model})
         run.trackers.log({"step": 0, **start})
-        print(f"step    0: held-out accuracy {start['eval/accuracy']:.3f}, pass@{args.pass_k} "
-              f"{start[f'eval/pass@{args.pass_k}']:.3f} (the start model)", flush=True)
+        print(rundir.evaluation_line({"step": 0, **start}, args, entropies=[]), flush=True)
         rundir.save_checkpoint(run_dir, model, run.optimizer, 0, identity)
     return run
 
 
 def dry_run(args: Args, obj_overrides: dict) -> None:
-    """--dry-run: print the memory plan; nothing is trained, loaded or written (with --model, only its
-    config is read, and the data set is not needed)."""
+    """--dry-run: print the memory plan; nothing is trained or written, only a --model's config is read."""
     args, obj_overrides = cli.run_settings(args, obj_overrides)
     cfg = cli.objective_config(args, obj_overrides)
     check_memory(args, None, pick_device(args), tepo.needs_ref(args.objective, cfg))

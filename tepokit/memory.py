@@ -133,13 +133,18 @@ def device_memory(device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def print_memory_plan(plan: dict, capacity: int, device) -> None:
-    gib = 2**30
+def print_memory_plan(plan: dict, capacity: int, device, in_full: bool) -> None:
+    """The plan part by part (in_full), or its peak in one line."""
+    gib, where = 2**30, "on the GPU" if device.type == "cuda" else "available on this machine"
+    if not in_full:
+        print(f"memory plan: estimated peak {plan['peak'] / gib:.2f} GiB of {capacity / gib:.1f} GiB {where} "
+              f"({plan['n_params'] / 1e6:.1f}M parameters; --dry-run shows each part)", flush=True)
+        return
     print(f"memory plan (estimate; {plan['n_params'] / 1e6:.1f}M parameters):")
     for part, nbytes in plan["parts"].items():
         print(f"  {part:<32} {nbytes / gib:8.2f} GiB")
     print(f"  {'estimated peak (' + plan['phase'] + ')':<32} {plan['peak'] / gib:8.2f} GiB of {capacity / gib:.1f} GiB "
-          f"{'on the GPU' if device.type == 'cuda' else 'available on this machine'}", flush=True)
+          f"{where}", flush=True)
 
 
 def check_memory(args, task, device, needs_ref: bool) -> dict:
@@ -149,7 +154,8 @@ def check_memory(args, task, device, needs_ref: bool) -> dict:
         fail(f"argument --gradient-checkpointing: model {args.model!r} does not support gradient checkpointing; "
              f"run without --gradient-checkpointing")
     capacity = device_memory(device)
-    print_memory_plan(plan, capacity, device)
+    # In full when asked for (--dry-run) or when it matters: on a GPU, or when the run would not fit.
+    print_memory_plan(plan, capacity, device, in_full=args.dry_run or device.type == "cuda" or plan["peak"] > capacity)
     if plan["peak"] > capacity and not args.force and not args.dry_run:
         fail(f"the estimated peak memory {plan['peak'] / 2**30:.1f} GiB exceeds the {capacity / 2**30:.1f} GiB "
              f"of the device; lower --micro-batch-size, --max-new-tokens or --prompts-per-step, add "

@@ -609,6 +609,22 @@ def accuracy_with_interval(p: float, n: int) -> str:
     return f"{p:.3f} +- {1.96 * math.sqrt(p * (1 - p) / n):.3f}" if n else f"{p:.3f}"
 
 
+def evaluation_line(row: dict, args, entropies: list[float]) -> str:
+    """The line an evaluation leaves on screen above the progress bar: held-out accuracy and pass@k with their 95%
+    intervals (for pass@k, a mean of per-problem values in [0, 1], the Wald half-width is an upper bound), and the
+    token entropy as the mean of the rollouts since the previous line: one step's entropy is too noisy to show a
+    trend in a few lines. At step 0 (the start model, no rollout yet) the line says what the intervals are."""
+    step, k = row["step"], args.pass_k
+    text = (f"step {step:>4}: held-out accuracy {accuracy_with_interval(row['eval/accuracy'], args.n_test)}, "
+            f"pass@{k} {accuracy_with_interval(row[f'eval/pass@{k}'], min(args.pass_k_problems, args.n_test))}")
+    if not entropies:
+        return (text + f" (the start model; +- : 95% intervals over {args.n_test} and "
+                       f"{min(args.pass_k_problems, args.n_test)} problems)")
+    first = step - len(entropies) + 1
+    steps = f"step {step}" if first == step else f"steps {first}-{step}"
+    return text + f", entropy {sum(entropies) / len(entropies):.3f} (mean of {steps})"
+
+
 def print_summary(summary: dict, rows: list[dict], args, wall: float) -> None:
     """The block that ends a run, to stay on screen: what changed (with the uncertainty that the number of
     held-out problems leaves), where the files are, and what to try next."""

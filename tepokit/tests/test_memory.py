@@ -23,13 +23,23 @@ def test_dry_run_prints_the_plan_and_creates_nothing(workdir, capsys):
     assert not os.path.exists("runs/dry")
 
 
+def test_a_run_that_fits_on_the_cpu_prints_the_plan_in_one_line(workdir, capsys):
+    """The parts are for --dry-run, a GPU, or a run that would not fit; otherwise the peak, in one line."""
+    run_main([*MICRO, "--steps", "1", "--out", "runs/fits"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if "memory" in line or "GiB" in line]
+    assert len(lines) == 1 and re.fullmatch(r"memory plan: estimated peak [\d.]+ GiB of [\d.]+ GiB available on this "
+                                            r"machine \([\d.]+M parameters; --dry-run shows each part\)", lines[0])
+
+
 def test_a_run_that_would_not_fit_is_refused_in_one_line(workdir, monkeypatch, capsys):
     monkeypatch.setattr(tepokit.memory, "device_memory", lambda device: 2**20)          # a 1 MiB device
     with pytest.raises(SystemExit) as e:
         ts.main([*MICRO, "--out", "runs/too_big"])
     assert e.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
     assert len(err) == 1 and "exceeds" in err[0] and "--force" in err[0]
+    assert "logits, one micro-batch" in captured.out            # the plan in full: here it matters
     assert not os.path.exists("runs/too_big")
     args, overrides = parse_args(ts.Args, [*MICRO, "--force"])
     check_memory(args, load_task(args), torch.device("cpu"), False)    # --force: no refusal
@@ -122,7 +132,7 @@ def measured_peak(process, out: str) -> tuple[float, float]:
     assert process.returncode == 0, stderr[-2000:]
     rows = read_rows(out)
     peak = max(row["perf/peak_memory_mb"] for row in rows[1:]) - rows[0]["memory/process_before_model_mb"]
-    estimate = float(re.search(r"estimated peak \(\w+\)\s+([\d.]+) GiB", stdout).group(1)) * 1024
+    estimate = float(re.search(r"estimated peak(?: \(\w+\))?\s+([\d.]+) GiB", stdout).group(1)) * 1024
     return peak, estimate
 
 

@@ -494,3 +494,16 @@ def test_the_newest_whole_trl_checkpoint_is_chosen_by_step_and_set_aside_ones_ar
     rundir.set_aside_trl_checkpoints([str(tmp_path / "checkpoint-12")])
     assert rundir.trl_checkpoint_problem(str(tmp_path / "incomplete-checkpoint-12")) is None
     assert not os.path.exists(tmp_path / "checkpoint-12")
+
+
+def test_the_evaluation_line_gives_95_percent_intervals_and_the_mean_entropy_since_the_last_line():
+    args = ts.Args(n_test=500, pass_k=4, pass_k_problems=50)
+    start = rundir.evaluation_line({"step": 0, "eval/accuracy": 0.296, "eval/pass@4": 0.6}, args, [])
+    # 1.96 * sqrt(0.296 * 0.704 / 500) = 0.0400; 1.96 * sqrt(0.6 * 0.4 / 50) = 0.1358
+    assert start == ("step    0: held-out accuracy 0.296 +- 0.040, pass@4 0.600 +- 0.136 (the start model; "
+                     "+- : 95% intervals over 500 and 50 problems)")
+    line = rundir.evaluation_line({"step": 40, "eval/accuracy": 0.5, "eval/pass@4": 0.5}, args, [0.2, 0.1, 0.15])
+    assert line == ("step   40: held-out accuracy 0.500 +- 0.044, pass@4 0.500 +- 0.139, "
+                    "entropy 0.150 (mean of steps 38-40)")
+    assert rundir.evaluation_line({"step": 7, "eval/accuracy": 0.5, "eval/pass@4": 0.5}, args, [0.3]).endswith(
+        "entropy 0.300 (mean of step 7)")
