@@ -19,6 +19,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import matplotlib.pyplot as plt  # noqa: E402
+
+# tqdm (imported by the project's modules) asks for ipywidgets to draw progress bars in a notebook; no cell of the
+# notebooks draws one, so the hint would only be noise above the first output.
+warnings.filterwarnings("ignore", message="IProgress not found")
 
 from tepokit.plot import per_minibatch, read_run, save_png, series, smooth, smoothed_band  # noqa: E402,F401
 from tepokit.rundir import read_log  # noqa: E402,F401

@@ -82,36 +82,61 @@ def figures_state() -> dict:
             for p in (Path(REPO) / "notebooks" / "figures").iterdir()}
 
 
+# The notebooks that read runs: their first code cell's first line is the RUN_DIR parameter.
+TAKE_A_RUN = [p.stem for p in NOTEBOOKS if '"RUN_DIR = None' in p.read_text()]
+
+
 @pytest.fixture(scope="module")
 def micro_tepo_run(workdir):
-    run_main([*MICRO, "--steps", "6", "--out", "own_run"])
+    """A run as the default command and --demo make them: the entropy check on every 4th step (the default
+    --entropy-check-every), held-out evaluations only at the start, the middle and the end."""
+    run_main([*MICRO, "--steps", "8", "--entropy-check-every", "4", "--eval-every", "4", "--out", "own_run"])
     return str(workdir / "own_run")
 
 
 @pytest.fixture(scope="module")
 def pointed_at_a_run(micro_tepo_run):
-    """notebooks/figures/ as it was, and the two notebooks that take one run, pointed at micro_tepo_run and
+    """notebooks/figures/ as it was, and every notebook that takes a run, pointed at micro_tepo_run and
     started at once."""
     before = figures_state()
     return before, {name: start_executing(Path(REPO) / "notebooks" / f"{name}.ipynb", micro_tepo_run)
-                    for name in ("entropy_dynamics", "kl_mask_activation")}
+                    for name in TAKE_A_RUN}
+
+
+def test_the_notebooks_that_take_a_run_are_the_three_that_read_logs():
+    assert sorted(TAKE_A_RUN) == ["entropy_collapse", "entropy_dynamics", "kl_mask_activation"]
 
 
 @pytest.mark.parametrize("name", ["entropy_dynamics", "kl_mask_activation"])
 def test_notebook_pointed_at_a_run_reads_it_and_saves_its_figures_there(micro_tepo_run, pointed_at_a_run, name):
-    """RUN_DIR = a run directory of train_small.py: the notebook reads that run (in the place of the committed
-    tepo__1), saves its figures into RUN_DIR/figures/ and leaves notebooks/figures/ as it was (same bytes, same
-    modification times)."""
+    """RUN_DIR = a run directory of train_small.py made with the default entropy-check schedule: the notebook
+    reads that run (in the place of the committed tepo__1), draws it alone, says what it did not measure, saves
+    its figures into RUN_DIR/figures/ and leaves notebooks/figures/ as it was (same bytes, same modification
+    times)."""
     before, processes = pointed_at_a_run
     text = printed(executed(Path(REPO) / "notebooks" / f"{name}.ipynb", process=processes[name]))
     assert figures_state() == before
-    assert "reading the logs in <RUN_DIR: own_run>/" in text and "6 of 6 steps, finished" in text
+    assert "reading the logs in <RUN_DIR: own_run>/" in text and "8 of 8 steps, finished" in text
     saved = re.findall(r"saved (.+?) \(\d+ KB\)", text)
     assert len(saved) >= 3 and all(path.startswith("<RUN_DIR: own_run>/figures/") for path in saved), saved
     from PIL import Image
     for path in saved:
         with Image.open(Path(micro_tepo_run) / "figures" / path.rsplit("/", 1)[1]) as image:
             assert image.format == "PNG" and image.width > 300
+    if name == "entropy_dynamics":   # at most 2 checked steps (4 and 8); one panel, not the committed logs' eight
+        assert re.search(r"too few checked steps for a mean change and r \([0-2]; --entropy-check-every 4\)", text)
+        with Image.open(Path(micro_tepo_run) / "figures" / "entropy_dynamics.png") as one, \
+                Image.open(Path(REPO) / "notebooks" / "figures" / "entropy_dynamics.png") as eight:
+            assert one.width < 0.8 * eight.width
+
+
+def test_entropy_collapse_notebook_pointed_at_a_run_of_the_other_task_says_it_needs_a_hidden_type_run(
+        pointed_at_a_run):
+    _, processes = pointed_at_a_run
+    text = printed(executed(Path(REPO) / "notebooks" / "entropy_collapse.ipynb",
+                            process=processes["entropy_collapse"]))
+    assert "(not a --task hidden-type run: skipped)" in text
+    assert "no run of --task hidden-type found: sections 1 to 5 need one" in text
 
 
 def test_notebooks_read_the_run_directory_parameter_and_its_older_environment_variable(tmp_path, monkeypatch):
