@@ -89,8 +89,8 @@ from tepokit.task import format_prompt, gold_answer, load_task, score_completion
 class Args:
     # --- run ---
     objective: str = "tepo"             # the RL objective; it picks the paper values of the objective settings below
-    regime: str = "standard"            # preset of the settings below: standard, or collapse (lr 3e-4); flags win
-    demo: bool = False                  # preset: the two-minute classroom run (README); flags given explicitly win
+    regime: str = "standard"            # standard, or collapse: a learning rate at which held-out pass@k collapses
+    demo: bool = False                  # the two-minute classroom run (README)
     seed: int = 1                       # seeds python, torch and generation; the task too, unless --task-seed is set
     out: str | None = None              # run directory (default: runs/<task>__<objective>__<seed>__<time>)
     device: str = "auto"                # auto: cuda if available, else cpu
@@ -113,7 +113,7 @@ class Args:
     precision: str = "fp32"             # bf16 runs the forward passes under autocast
     # --- task ---
     dataset: str | None = None          # openai/gsm8k, a local dataset dir or .jsonl (default: a built-in task)
-    task: str = "arith"                 # built-in task: arith, or hidden-type (made for entropy collapse; a preset)
+    task: str = "arith"                 # built-in task: arith, or hidden-type (made for entropy collapse)
     majority: float = 0.7               # hidden-type task: share of the problems whose right reading is the first
     difficulty: int = 15                # built-in task: largest operand
     ops: str = "+-*"                    # built-in task: operations to draw from (any of + - *)

@@ -366,7 +366,7 @@ def build_parser(Args) -> argparse.ArgumentParser:
             continue
         default = ("on" if f.default else "off") if isinstance(f.default, bool) else f.default
         shown = f.default is None or "(default" in helps[f.name]
-        text = helps[f.name] + ("" if shown else f" (default: {default})")
+        text = helps[f.name] + preset_help(f.name) + ("" if shown else f" (default: {default})")
         add_flag(group, kinds, f.name, text)
     groups["common flags"].add_argument("-h", "--help", action="help", help="show this help and exit")
     obj_helps = field_comments(tepo.ObjectiveConfig)
@@ -382,6 +382,23 @@ def common_flags_of(Args, group: str) -> str:
     flags, for a reader who looks for them there."""
     common = [flag(name) for name in COMMON_FLAGS if group != "common flags" and topic_group(Args, name) == group]
     return f"\nIn common flags, above: {', '.join(common)}." if common else ""
+
+
+def as_flags(settings: dict) -> str:
+    """{'steps': 80, 'lr': 3e-4} -> '--steps 80 --lr 0.0003': settings as the flags that give them."""
+    return " ".join(" ".join(flag_and_value(name, value)) for name, value in settings.items())
+
+
+def preset_help(name: str) -> str:
+    """What the presets of flag `name` set (--demo, --regime, --task, --bench-shape), added to its --help text;
+    written from the presets themselves, so that --help cannot drift from them. '' for other flags."""
+    if name == "demo":
+        said = [f"it sets {as_flags(DEMO)} (with --task hidden-type: that task's preset, then "
+                f"{as_flags(DEMO_HIDDEN_TYPE)})"]
+    else:
+        presets = {"regime": REGIMES, "task": TASKS, "bench_shape": BENCH_SHAPES}.get(name, {})
+        said = [f"{value} sets {as_flags(settings)}" for value, settings in presets.items() if settings]
+    return "".join(f"; {text}" for text in said) + ("; flags given explicitly win" if said else "")
 
 
 def check_values(args, obj_overrides: dict) -> None:

@@ -259,6 +259,22 @@ def test_every_field_is_one_flag_shown_once():
         assert printed == (0 if name == "stop_after" else 1), (flag, printed)
 
 
+def test_help_of_a_preset_names_every_setting_it_sets_with_its_value():
+    """--demo, --regime, --task and --bench-shape say what they set, from the presets themselves."""
+    from tepokit.cli import BENCH_SHAPES, DEMO_HIDDEN_TYPE, TASKS
+    helps = {a.dest: " ".join(a.help.split()) for a in build_parser(ts.Args)._actions}
+    said = {"demo": [DEMO, DEMO_HIDDEN_TYPE], "regime": [REGIMES["collapse"]], "task": [TASKS["hidden-type"]],
+            "bench_shape": [BENCH_SHAPES["gpt2-small"]]}
+    for name, presets in said.items():
+        for preset in presets:
+            assert preset and all(f"{tepokit.cli.flag(k)} {v}" in helps[name] for k, v in preset.items()), \
+                (name, preset, helps[name])
+        assert "flags given explicitly win" in helps[name]
+    assert helps["demo"].index(" ".join(f"{tepokit.cli.flag(k)} {v}" for k, v in DEMO.items())) \
+        < helps["demo"].index("hidden-type")
+    assert "collapse sets --lr 0.0003" in helps["regime"] and "standard sets" not in helps["regime"]
+
+
 def test_resume_refuses_flags_that_change_what_is_computed(tmp_path):
     run_dir = fake_run(tmp_path / "run")
     line = assert_refused_in_one_line(["--resume", run_dir, "--lr", "5", "--objective", "dapo", "--eps-high", "0.3"],
