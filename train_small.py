@@ -94,10 +94,10 @@ class Args:
     seed: int = 1                       # seeds python, torch and generation; the task too, unless --task-seed is set
     out: str | None = None              # run directory (default: runs/<task>__<objective>__<seed>__<time>)
     device: str = "auto"                # auto: cuda if available, else cpu
-    threads: int = 2                    # torch CPU threads (the machine is shared)
+    threads: int = 2                    # torch CPU threads: set it to the cores this run may use
     steps: int = 200                    # RL steps (one rollout each)
     save_every: int = 50                # checkpoint every N steps (and at the end)
-    engine: str = "tepo"                # tepo: this file's loop; trl: TRL's GRPOTrainer with a tepo objective
+    engine: str = "tepo"                # tepo: train_small.py's own loop; trl: TRL's GRPOTrainer with a tepo objective
     cache_dir: str = "runs/cache"       # where the warmed-up built-in model is cached (relative: to the current dir)
     dry_run: bool = False               # print the memory plan and exit without loading the model
     force: bool = False                 # run even when the memory plan says it will not fit the device
@@ -158,7 +158,7 @@ class Args:
     baseline: str = "grpo"              # --compare: the objective (or variant) the others are paired against
     bench: bool = False                 # time one RL step against TRL's GRPOTrainer and exit
     bench_steps: int = 3                # --bench: timed steps per repeat (after one untimed step)
-    bench_repeats: int = 3              # --bench: alternating repeats (ours, TRL, ours, TRL, ...); the median counts
+    bench_repeats: int = 3              # --bench: alternating repeats (tepo, TRL, tepo, TRL, ...); the median counts
     bench_shape: str = "builtin"        # --bench: builtin (the run's own model), or gpt2-small (random weights)
     stop_after: int | None = None       # stop after this step as if interrupted (testing --resume)
 

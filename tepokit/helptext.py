@@ -43,7 +43,8 @@ HELP_GROUPS = {     # name: description (its line breaks are kept: the examples 
                  "objective settings (from --eps-low on), which default to the chosen objective's paper value\n"
                  "(tepo.py section 2); a setting the objective does not read is reported and has no effect.",
     "run control": "How the run runs: device, checkpoints, files, evaluation and measurement.",
-    "experiments": "Several runs at once: objectives compared on the same seeds, or our step timed against TRL's.",
+    "experiments": "Several runs at once: objectives compared on the same seeds, or train_small.py's RL step\n"
+                   "timed against TRL's.",
 }
 # What a newcomer sets: what to run (a preset, the objective, the task or a model and data set), how long and
 # from which seed, where it goes and how to go on with it, a comparison, and how many cores it may use.

@@ -275,6 +275,16 @@ def test_help_of_a_preset_names_every_setting_it_sets_with_its_value():
     assert "collapse sets --lr 0.0003" in helps["regime"] and "standard sets" not in helps["regime"]
 
 
+def test_help_speaks_of_the_users_machine_not_ours():
+    """No help text speaks of one particular machine (ours): --threads says what to set it to, and its default."""
+    parser = build_parser(ts.Args)
+    text = " ".join(parser.format_help().split()).lower()
+    for phrase in ("the machine is shared", "this machine", "our machine", " our ", "(ours", " ours,", " here"):
+        assert phrase not in text, phrase
+    threads = next(a.help for a in parser._actions if a.dest == "threads")
+    assert "cores" in threads and threads.endswith(f"(default: {ts.Args.threads})"), threads
+
+
 def test_resume_refuses_flags_that_change_what_is_computed(tmp_path):
     run_dir = fake_run(tmp_path / "run")
     line = assert_refused_in_one_line(["--resume", run_dir, "--lr", "5", "--objective", "dapo", "--eps-high", "0.3"],
