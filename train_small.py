@@ -89,15 +89,15 @@ from tepokit.task import format_prompt, gold_answer, load_task, score_completion
 class Args:
     # --- run ---
     objective: str = "tepo"             # the RL objective; it picks the paper values of the objective settings below
-    regime: str = "standard"            # preset of the settings below: standard, or collapse (lr 3e-4); flags win
-    demo: bool = False                  # preset: the two-minute classroom run (README); flags given explicitly win
+    regime: str = "standard"            # standard, or collapse: a learning rate at which held-out pass@k collapses
+    demo: bool = False                  # the two-minute classroom run (README)
     seed: int = 1                       # seeds python, torch and generation; the task too, unless --task-seed is set
     out: str | None = None              # run directory (default: runs/<task>__<objective>__<seed>__<time>)
     device: str = "auto"                # auto: cuda if available, else cpu
-    threads: int = 2                    # torch CPU threads (the machine is shared)
+    threads: int = 2                    # torch CPU threads: set it to the cores this run may use
     steps: int = 200                    # RL steps (one rollout each)
     save_every: int = 50                # checkpoint every N steps (and at the end)
-    engine: str = "tepo"                # tepo: this file's loop; trl: TRL's GRPOTrainer with a tepo objective
+    engine: str = "tepo"                # tepo: train_small.py's own loop; trl: TRL's GRPOTrainer with a tepo objective
     cache_dir: str = "runs/cache"       # where the warmed-up built-in model is cached (relative: to the current dir)
     dry_run: bool = False               # print the memory plan and exit without loading the model
     force: bool = False                 # run even when the memory plan says it will not fit the device
@@ -113,7 +113,7 @@ class Args:
     precision: str = "fp32"             # bf16 runs the forward passes under autocast
     # --- task ---
     dataset: str | None = None          # openai/gsm8k, a local dataset dir or .jsonl (default: a built-in task)
-    task: str = "arith"                 # built-in task: arith, or hidden-type (made for entropy collapse; a preset)
+    task: str = "arith"                 # built-in task: arith, or hidden-type (made for entropy collapse)
     majority: float = 0.7               # hidden-type task: share of the problems whose right reading is the first
     difficulty: int = 15                # built-in task: largest operand
     ops: str = "+-*"                    # built-in task: operations to draw from (any of + - *)
@@ -158,7 +158,7 @@ class Args:
     baseline: str = "grpo"              # --compare: the objective (or variant) the others are paired against
     bench: bool = False                 # time one RL step against TRL's GRPOTrainer and exit
     bench_steps: int = 3                # --bench: timed steps per repeat (after one untimed step)
-    bench_repeats: int = 3              # --bench: alternating repeats (ours, TRL, ours, TRL, ...); the median counts
+    bench_repeats: int = 3              # --bench: alternating repeats (tepo, TRL, tepo, TRL, ...); the median counts
     bench_shape: str = "builtin"        # --bench: builtin (the run's own model), or gpt2-small (random weights)
     stop_after: int | None = None       # stop after this step as if interrupted (testing --resume)
 

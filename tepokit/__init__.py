@@ -1,7 +1,7 @@
 """tepokit: what a reader of train_small.py can skip, one concern per module.
 
   cli            the command line: flags, valid values, --regime and --demo, the rules of --resume
-  helptext       what --help shows: each flag's text, the paper values, four groups, examples
+  helptext       what --help shows: the examples and common flags first, each flag's text, the paper values
   errors         one-line answers to user mistakes
   hub            the Hugging Face hub: offline in seconds when it cannot be reached
   task           the built-in arithmetic task, dataset loading, answer parsing (the reward)

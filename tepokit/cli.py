@@ -11,13 +11,15 @@ import math
 import os
 import re
 import shlex
+import textwrap
 
 import torch
 
 import tepo
 from tepokit.errors import fail, warn
 from tepokit.forward import rows_per_minibatch
-from tepokit.helptext import CLI_HELP, EXAMPLES, HELP_GROUPS, field_comments, help_group, paper_values
+from tepokit.helptext import (CLI_HELP, COMMON_FLAGS, EXAMPLES, HELP_GROUPS, field_comments, help_group,
+                              paper_values, topic_group)
 from tepokit.report import TRACKERS, check_installed, valid_report_to
 from tepokit.rundir import check_resumable, holds_a_run, lock_holder
 from tepokit.task import arithmetic_task_size, hidden_type_task_size
@@ -323,6 +325,14 @@ def converter(kinds: dict, name: str):
 METAVARS = {"int": "N", "float": "X", "str": "TEXT"}
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The descriptions keep their lines (the examples); a flag's text wraps at spaces only, so that a flag or
+    value it names (--lr-warmup-steps, hidden-type) is never split at a hyphen."""
+
+    def _split_lines(self, text, width):
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 def add_flag(container, kinds: dict, name: str, text: str) -> None:
     kind, _ = kinds[name]
     text = text.replace("%", "%%")     # argparse %-formats help texts
@@ -337,29 +347,58 @@ def add_flag(container, kinds: dict, name: str, text: str) -> None:
 def build_parser(Args) -> argparse.ArgumentParser:
     """Flags for every field of Args and of tepo.ObjectiveConfig, generated from the dataclasses.
     No defaults are set here (argparse.SUPPRESS): parsing returns only the flags given, and the
-    dataclasses' defaults fill in the rest, so the run knows which flags were given (--resume)."""
+    dataclasses' defaults fill in the rest, so the run knows which flags were given (--resume).
+    --help shows the examples first, then the common flags, then the other flags by topic."""
     parser = argparse.ArgumentParser(
         prog="train_small.py", usage="python train_small.py [options]", argument_default=argparse.SUPPRESS,
-        description="Group-relative RL (GRPO, DAPO, GSPO, TEPO, ...) on a tiny model in one file.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)    # the examples keep their lines
+        description="Group-relative RL (GRPO, DAPO, GSPO, TEPO, ...) on a tiny model in one file.\n\n" + EXAMPLES,
+        formatter_class=HelpFormatter, add_help=False)
     parser.error = fail   # argparse's own errors (unknown flag, missing value) become one line too
-    groups = {name: parser.add_argument_group(name, text) for name, text in HELP_GROUPS.items()}
+    groups = {name: parser.add_argument_group(name, text + common_flags_of(Args, name))
+              for name, text in HELP_GROUPS.items()}
     kinds = field_kinds(Args)
     helps = field_comments(Args)
-    for f in dataclasses.fields(Args):
+    fields = {f.name: f for f in dataclasses.fields(Args)}       # the common flags first, in COMMON_FLAGS' order
+    for f in [fields[name] for name in COMMON_FLAGS] + [f for name, f in fields.items() if name not in COMMON_FLAGS]:
         group = groups[help_group(Args, f.name)]
         if f.name == "stop_after":    # for the tests of --resume only
             group.add_argument(flag(f.name), type=converter(kinds, f.name), help=argparse.SUPPRESS)
             continue
         default = ("on" if f.default else "off") if isinstance(f.default, bool) else f.default
         shown = f.default is None or "(default" in helps[f.name]
-        add_flag(group, kinds, f.name, helps[f.name] + ("" if shown else f" (default: {default})"))
+        text = helps[f.name] + preset_help(f.name) + ("" if shown else f" (default: {default})")
+        add_flag(group, kinds, f.name, text)
+    groups["common flags"].add_argument("-h", "--help", action="help", help="show this help and exit")
     obj_helps = field_comments(tepo.ObjectiveConfig)
     for f in dataclasses.fields(tepo.ObjectiveConfig):
         text = CLI_HELP.get(f.name, re.sub(r"\bNone\b", "none", obj_helps[f.name]))
         add_flag(groups["objective"], kinds, f.name,
                  f"{text}. Default: the objective's paper value: {paper_values(f.name)}")
     return parser
+
+
+def common_flags_of(Args, group: str) -> str:
+    """'\nIn common flags, above: --task, --model.': said under a topic group whose flags are among the common
+    flags, for a reader who looks for them there."""
+    common = [flag(name) for name in COMMON_FLAGS if group != "common flags" and topic_group(Args, name) == group]
+    return f"\nIn common flags, above: {', '.join(common)}." if common else ""
+
+
+def as_flags(settings: dict) -> str:
+    """{'steps': 80, 'lr': 3e-4} -> '--steps 80 --lr 0.0003': settings as the flags that give them."""
+    return " ".join(" ".join(flag_and_value(name, value)) for name, value in settings.items())
+
+
+def preset_help(name: str) -> str:
+    """What the presets of flag `name` set (--demo, --regime, --task, --bench-shape), added to its --help text;
+    written from the presets themselves, so that --help cannot drift from them. '' for other flags."""
+    if name == "demo":
+        said = [f"it sets {as_flags(DEMO)} (with --task hidden-type: that task's preset, then "
+                f"{as_flags(DEMO_HIDDEN_TYPE)})"]
+    else:
+        presets = {"regime": REGIMES, "task": TASKS, "bench_shape": BENCH_SHAPES}.get(name, {})
+        said = [f"{value} sets {as_flags(settings)}" for value, settings in presets.items() if settings]
+    return "".join(f"; {text}" for text in said) + ("; flags given explicitly win" if said else "")
 
 
 def check_values(args, obj_overrides: dict) -> None:

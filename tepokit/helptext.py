@@ -1,5 +1,5 @@
 """What --help shows: each flag's text (the field comments of train_small's Args and of tepo.ObjectiveConfig),
-the paper value of each objective setting, the four groups the flags are shown in, and the examples."""
+the paper value of each objective setting, the groups the flags are shown in, and the examples."""
 
 from __future__ import annotations
 
@@ -33,17 +33,23 @@ def field_sections(cls) -> dict[str, str]:
     return sections
 
 
-# --help in four groups: the sections of train_small's Args, each in a group, with a few flags moved to the group a
-# reader looks in for them. Every objective setting (tepo.ObjectiveConfig) is in "objective".
+# --help in five groups: first the flags most runs need (COMMON_FLAGS, in that order), then the sections of
+# train_small's Args, each in a group, with a few flags moved to the group a reader looks in for them. Every
+# objective setting (tepo.ObjectiveConfig) is in "objective". A topic group names the common flags of its topic.
 HELP_GROUPS = {     # name: description (its line breaks are kept: the examples need a raw formatter)
+    "common flags": "The flags most runs need; every other flag is in a group of its own topic below.",
     "task and model": "What is learned, and by which model: the task, the model, its supervised warm-up.",
-    "objective": "The RL objective and how each step uses it: --objective, --regime, the rollout, the update,\n"
-                 "and the objective settings (from --eps-low on), which default to the chosen objective's paper\n"
-                 "value (tepo.py section 2); a setting the objective does not read is reported and has no effect.",
-    "run control": "Where the run goes and how it runs: seed, steps, files, device, evaluation and\n"
-                   "measurement, resuming.",
-    "experiments": "Several runs at once: objectives compared on the same seeds, or our step timed against TRL's.",
+    "objective": "The RL objective and how each step uses it: --regime, the rollout, the update, and the\n"
+                 "objective settings (from --eps-low on), which default to the chosen objective's paper value\n"
+                 "(tepo.py section 2); a setting the objective does not read is reported and has no effect.",
+    "run control": "How the run runs: device, checkpoints, files, evaluation and measurement.",
+    "experiments": "Several runs at once: objectives compared on the same seeds, or train_small.py's RL step\n"
+                   "timed against TRL's.",
 }
+# What a newcomer sets: what to run (a preset, the objective, the task or a model and data set), how long and
+# from which seed, where it goes and how to go on with it, a comparison, and how many cores it may use.
+COMMON_FLAGS = ("demo", "objective", "task", "model", "dataset", "seed", "steps", "out", "resume", "compare",
+                "threads")
 GROUP_OF_SECTION = {"run": "run control", "model": "task and model", "task": "task and model",
                     "supervised warm-up": "task and model", "rollout": "objective", "update": "objective",
                     "measurement": "run control", "modes": "experiments"}
@@ -51,21 +57,27 @@ GROUP_OF_FIELD = {"objective": "objective", "regime": "objective", "target_accur
                   "resume": "run control", "stop_after": "run control"}
 
 EXAMPLES = """examples:
-  python train_small.py                                  # the built-in task and model, TEPO, seed 1 (minutes on a CPU)
-  python train_small.py --demo                           # the two-minute classroom run (80 steps)
+  python train_small.py --demo                           # the two-minute classroom run
+  python train_small.py                                  # the default run: TEPO (minutes on a CPU)
   python train_small.py --objective grpo --seed 2        # another objective, another seed
-  python train_small.py --task hidden-type --objective grpo --beta 0   # entropy collapse, on a task made for it
   python train_small.py --objective dapo --eps-high 0.3  # an objective setting of your own
-  python train_small.py --compare grpo,tepo --seeds 3    # two objectives on the same seeds, paired by seed
-  python -m tepokit.plot runs/<run>                      # a run's figures, as PNG files in runs/<run>/figures/
-  python train_small.py --resume runs/<run>              # continue an interrupted run where it stopped
-  python train_small.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --max-new-tokens 256
-                                                         # a real model and data set (the hub must be reachable)"""
+  python train_small.py --compare grpo,tepo --seeds 3    # two objectives, paired on the same seeds
+  python train_small.py --task hidden-type --objective grpo --beta 0
+                                                         # entropy collapse, on a task made for it
+  python -m tepokit.plot runs/<run>                      # a run's figures: runs/<run>/figures/*.png
+  python train_small.py --resume runs/<run>              # continue a run where it stopped
+  python train_small.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \\
+      --max-new-tokens 256                               # a real model and data set (needs the hub)"""
+
+
+def topic_group(Args, name: str) -> str:
+    """The topic group of field `name` of Args (GROUP_OF_FIELD, else its section's group)."""
+    return GROUP_OF_FIELD.get(name) or GROUP_OF_SECTION[field_sections(Args)[name]]
 
 
 def help_group(Args, name: str) -> str:
-    """The --help group of field `name` of Args (GROUP_OF_FIELD, else its section's group)."""
-    return GROUP_OF_FIELD.get(name) or GROUP_OF_SECTION[field_sections(Args)[name]]
+    """The --help group of field `name` of Args: "common flags" for COMMON_FLAGS, else its topic group."""
+    return "common flags" if name in COMMON_FLAGS else topic_group(Args, name)
 
 
 def paper_values(name: str) -> str:

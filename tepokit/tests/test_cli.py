@@ -183,38 +183,106 @@ def test_help_tells_the_truth():
     assert "(default: 200)" in next(a.help for a in shown if a.dest == "steps")
 
 
+def help_examples(text: str) -> list[str]:
+    """The examples of --help, one line each (a line ending in a backslash goes on in the next)."""
+    block = text[text.index("\nexamples:\n"):].split("\n\n")[0]
+    return block.replace("\\\n", " ").splitlines()[2:]
+
+
 def test_help_groups_every_flag_once_and_its_examples_are_valid_command_lines():
-    """--help has the groups task and model, objective, run control, experiments, in that order; every flag is in
-    exactly one of them (also in the printed text), a few where a reader looks for them; the examples at the end
-    are command lines that parse."""
+    """--help has the groups common flags, task and model, objective, run control, experiments, in that order,
+    after the examples; every flag is in exactly one of them (also in the printed text), a few where a reader looks
+    for them; a topic group names its flags that are in common flags; the examples are command lines that parse."""
     parser = build_parser(ts.Args)
     groups = {g.title: g for g in parser._action_groups if g.title in tepokit.helptext.HELP_GROUPS}
-    assert list(groups) == ["task and model", "objective", "run control", "experiments"]
+    assert list(groups) == ["common flags", "task and model", "objective", "run control", "experiments"]
     flags = {tepokit.cli.flag(name) for name, _ in non_hidden_flags()}
     owners = {flag: [title for title, g in groups.items() for a in g._group_actions if flag in a.option_strings]
               for flag in flags}
     assert {flag: titles for flag, titles in owners.items() if len(titles) != 1} == {}
-    placed = {"--n-layer": "task and model", "--dataset": "task and model", "--warmup-steps": "task and model",
-              "--objective": "objective", "--regime": "objective", "--lr": "objective", "--eps-high": "objective",
-              "--kl-cov-ratio": "objective", "--seed": "run control", "--eval-every": "run control",
-              "--resume": "run control", "--compare": "experiments", "--target-accuracy": "experiments",
-              "--bench": "experiments"}
+    placed = {"--demo": "common flags", "--objective": "common flags", "--seed": "common flags",
+              "--steps": "common flags", "--resume": "common flags", "--compare": "common flags",
+              "--model": "common flags", "--dataset": "common flags", "--threads": "common flags",
+              "--n-layer": "task and model", "--warmup-steps": "task and model", "--regime": "objective",
+              "--lr": "objective", "--eps-high": "objective", "--kl-cov-ratio": "objective",
+              "--eval-every": "run control", "--device": "run control", "--target-accuracy": "experiments",
+              "--seeds": "experiments", "--bench": "experiments"}
     assert {flag: owners[flag][0] for flag in placed} == placed
     text = parser.format_help()
-    headers = [text.index(f"\n{title}:\n") for title in groups] + [text.index("\nexamples:\n")]
+    headers = [text.index("\nexamples:\n")] + [text.index(f"\n{title}:\n") for title in groups] + [len(text)]
     assert headers == sorted(headers)
     for flag, (title,) in owners.items():       # printed under its own header, and under no other
-        k = list(groups).index(title)
-        shown_in = [j for j in range(4) if re.search(rf"\n  {flag}[ ,\n]", text[headers[j]:headers[j + 1]])]
+        k = list(groups).index(title) + 1
+        shown_in = [j for j in range(6) if re.search(rf"\n  {flag}[ ,\n]", text[headers[j]:headers[j + 1]])]
         assert shown_in == [k], (flag, shown_in)
-    examples = text[headers[-1]:].splitlines()[1:]
+    task_and_model = text[headers[2]:headers[3]]
+    assert "In common flags, above: --task, --model, --dataset." in task_and_model
+    examples = help_examples(text)
     assert any("python -m tepokit.plot runs/<run>" in line for line in examples)
     assert any(line.strip().startswith("python train_small.py --resume runs/<run>") for line in examples)
     runnable = [line.split("#")[0].split()[2:] for line in examples
                 if line.strip().startswith("python train_small.py") and "<" not in line]
-    assert len(runnable) >= 5
+    assert len(runnable) >= 5 and ["--model", "Qwen/Qwen2.5-0.5B-Instruct", "--dataset", "openai/gsm8k",
+                                   "--max-new-tokens", "256"] in runnable
     for argv in runnable:
         assert parse_outcome(argv)[0] is None, argv               # accepted: no exit
+
+
+def test_help_shows_the_examples_and_the_common_flags_first(monkeypatch):
+    """A newcomer reads the examples, then the flags most runs need, on the first screen of a terminal 100 columns
+    wide: before any other group, and each common flag within the first 45 lines."""
+    monkeypatch.setenv("COLUMNS", "100")          # argparse wraps to the terminal's width
+    text = build_parser(ts.Args).format_help()
+    lines = text.splitlines()
+    assert lines[0] == "usage: python train_small.py [options]"
+    titles = [line[:-1] for line in lines if re.fullmatch(r"[a-z][a-z ]*:", line)]
+    assert titles == ["examples", "common flags", "task and model", "objective", "run control", "experiments"]
+    for name in tepokit.helptext.COMMON_FLAGS:
+        row = next(i for i, line in enumerate(lines) if re.match(rf"  {tepokit.cli.flag(name)}( |,|$)", line))
+        assert row < 45, (name, row)
+    assert max(len(line) for line in lines[:lines.index("common flags:")]) <= 100     # the examples fit
+
+
+def test_every_field_is_one_flag_shown_once():
+    """Every field of Args and of tepo.ObjectiveConfig is one flag of the parser, printed once by --help (the
+    switches with their --no- form); --stop-after, for the tests of --resume, is not printed."""
+    parser = build_parser(ts.Args)
+    text = parser.format_help()
+    options = [option for a in parser._actions for option in a.option_strings]
+    assert len(options) == len(set(options))
+    fields = [f.name for f in dataclasses.fields(ts.Args)] + [f.name for f in dataclasses.fields(tepo.ObjectiveConfig)]
+    assert len(fields) == len(set(fields))
+    for name in fields:
+        flag = tepokit.cli.flag(name)
+        assert options.count(flag) == 1, flag
+        printed = len(re.findall(rf"^  {flag}[ ,\n]", text, flags=re.MULTILINE))
+        assert printed == (0 if name == "stop_after" else 1), (flag, printed)
+
+
+def test_help_of_a_preset_names_every_setting_it_sets_with_its_value():
+    """--demo, --regime, --task and --bench-shape say what they set, from the presets themselves."""
+    from tepokit.cli import BENCH_SHAPES, DEMO_HIDDEN_TYPE, TASKS
+    helps = {a.dest: " ".join(a.help.split()) for a in build_parser(ts.Args)._actions}
+    said = {"demo": [DEMO, DEMO_HIDDEN_TYPE], "regime": [REGIMES["collapse"]], "task": [TASKS["hidden-type"]],
+            "bench_shape": [BENCH_SHAPES["gpt2-small"]]}
+    for name, presets in said.items():
+        for preset in presets:
+            assert preset and all(f"{tepokit.cli.flag(k)} {v}" in helps[name] for k, v in preset.items()), \
+                (name, preset, helps[name])
+        assert "flags given explicitly win" in helps[name]
+    assert helps["demo"].index(" ".join(f"{tepokit.cli.flag(k)} {v}" for k, v in DEMO.items())) \
+        < helps["demo"].index("hidden-type")
+    assert "collapse sets --lr 0.0003" in helps["regime"] and "standard sets" not in helps["regime"]
+
+
+def test_help_speaks_of_the_users_machine_not_ours():
+    """No help text speaks of one particular machine (ours): --threads says what to set it to, and its default."""
+    parser = build_parser(ts.Args)
+    text = " ".join(parser.format_help().split()).lower()
+    for phrase in ("the machine is shared", "this machine", "our machine", " our ", "(ours", " ours,", " here"):
+        assert phrase not in text, phrase
+    threads = next(a.help for a in parser._actions if a.dest == "threads")
+    assert "cores" in threads and threads.endswith(f"(default: {ts.Args.threads})"), threads
 
 
 def test_resume_refuses_flags_that_change_what_is_computed(tmp_path):
