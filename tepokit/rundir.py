@@ -666,7 +666,8 @@ def print_summary(summary: dict, rows: list[dict], args, wall: float) -> None:
     rows_out += [("files", f"{run_dir}/ (metrics.jsonl, summary.json, checkpoint.pt, policy/)"),
                  ("next", f"python -m tepokit.plot {run_dir}   # the run's figures, as PNG files in its figures/"),
                  ("", f"python train_small.py {compare}   # two objectives, paired by seed"),
-                 ("", f"jupyter lab notebooks/{notebook}.ipynb   # set RUN_DIR = \"{run_dir}\" in it")]
+                 ("", f"jupyter lab notebooks/   # entropy_covariance.ipynb first (the derivation), then "
+                      f"{notebook}.ipynb with RUN_DIR = \"{run_dir}\"")]
     took = f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
     lines = [f"done: {args.objective}, seed {args.seed}, {rows[-1]['step']} RL steps in {took}"]
     lines += [f"  {label:<20} {text}" for label, text in rows_out]

@@ -227,17 +227,20 @@ def test_resume_refuses_a_data_set_edited_since_the_run_started(workdir, tmp_pat
 def test_every_file_a_run_writes_is_strict_json(workdir, capsys):
     """A one-step run has too few entropy checks for r: its correlation is NaN, written as null with the
     reason beside it; every .json and .jsonl line parses with a parser that refuses NaN and Infinity."""
-    out = "runs/strict"
-    run_main([*MICRO, "--objective", "tepo", "--steps", "1", "--out", out])
-    files = [p for p in Path(out).iterdir() if p.suffix in (".json", ".jsonl")]
+    out_dir = "runs/strict"
+    run_main([*MICRO, "--objective", "tepo", "--steps", "1", "--out", out_dir])
+    files = [p for p in Path(out_dir).iterdir() if p.suffix in (".json", ".jsonl")]
     assert {p.name for p in files} >= {"config.json", "metrics.jsonl", "details.jsonl", "summary.json"}
     for p in files:
         for line in ([p.read_text()] if p.suffix == ".json" else p.read_text().splitlines()):
             strict_loads(line)
-    summary = strict_loads(Path(out, "summary.json").read_text())
+    summary = strict_loads(Path(out_dir, "summary.json").read_text())
     assert summary["entropy_change_correlation"] is None and summary["entropy_change_correlation_missing"]
-    entropy_line = next(line for line in capsys.readouterr().out.splitlines() if "token entropy" in line)
+    out = capsys.readouterr().out.splitlines()
+    entropy_line = next(line for line in out if "token entropy" in line)
     assert "first and last step); predicted vs measured change per step: too few steps for r" in entropy_line
+    assert out[-1].strip() == ('jupyter lab notebooks/   # entropy_covariance.ipynb first (the derivation), then '
+                               f'entropy_dynamics.ipynb with RUN_DIR = "{out_dir}"')   # the order of the README
 
 
 # ---- the operating system's errors ----------------------------------------------------------------------
