@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from tepokit import errors
-from tepokit.plot import FIGURES, main
+from tepokit.plot import FIGURE_SIZES, FIGURES, TWO_PANELS, main
 from tepokit.tests.helpers import MICRO, REPO, run_main
 
 
@@ -35,12 +35,13 @@ def test_the_command_the_summary_names_writes_every_figure_as_a_readable_png(mic
     assert main([command[1]]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [Path(line.split(" (")[0]).name for line in lines] == list(FIGURES)       # each figure, in order
-    sizes = {"clip_fractions.png": (770, 440)}                                         # 7 x 4 inches; others 11 x 4
+    sizes = {name: (round(110 * w), round(110 * h)) for name, (w, h) in
+             ((name, FIGURE_SIZES.get(name, TWO_PANELS)) for name in FIGURES)}              # inches x 110 dpi
     first = {}
     for name in FIGURES:
         with Image.open(run_dir / "figures" / name) as image:
             assert image.format == "PNG" and image.mode == "RGB"
-            assert image.size == sizes.get(name, (1210, 440)), (name, image.size)
+            assert image.size == sizes[name], (name, image.size)
             assert len(image.getcolors(maxcolors=1 << 16) or range(1 << 16)) > 50, name    # drawn, not blank
         first[name] = (run_dir / "figures" / name).read_bytes()
     assert main([str(run_dir)]) == 0
