@@ -15,6 +15,7 @@ import numpy as np
 
 from tepokit.errors import fail, first_line, os_error_line
 from tepokit.rundir import DamagedLog, read_log
+from tepokit.stats import MIN_STEPS_FOR_R, pearson, wald_half_width
 
 PROGRAM = "python -m tepokit.plot"
 
@@ -86,12 +87,14 @@ def smooth(y, window: int) -> np.ndarray:
     return (c[hi] - c[lo]) / (hi - lo)
 
 
-def smoothed_band(ax, x, y, color, label, window: int) -> None:
-    """Moving average (line) and the moving standard deviation of single steps around it (band)."""
+def smoothed_band(ax, x, y, color, label, window: int, band: bool = True) -> None:
+    """Moving average (line) and, as a band around it, +-1 standard deviation of the single steps in the same
+    centred window (band=False: the line alone)."""
     m = smooth(y, window)
-    sd = np.sqrt(np.maximum(0.0, smooth(np.asarray(y, dtype=float) ** 2, window) - m ** 2))
-    ax.fill_between(x, m - sd, m + sd, color=color, alpha=0.15, lw=0)
-    ax.plot(x, m, color=color, lw=2, label=label)
+    if band:
+        sd = np.sqrt(np.maximum(0.0, smooth(np.asarray(y, dtype=float) ** 2, window) - m ** 2))
+        ax.fill_between(x, m - sd, m + sd, color=color, alpha=0.15, lw=0)
+    ax.plot(x, m, color=color, lw=2.5, label=label)
 
 
 def save_png(fig, path) -> int:
@@ -107,6 +110,13 @@ def save_png(fig, path) -> int:
 
 # ---- the standard figures of one run: each returns a figure, or the note that says why there is none ----------
 
+# Sizes for a projector: text that reads from the back row of a lecture hall.
+STYLE = {"font.size": 14, "axes.titlesize": 15, "axes.labelsize": 14, "xtick.labelsize": 13, "ytick.labelsize": 13,
+         "legend.fontsize": 12, "figure.titlesize": 16}
+FIGURE_SIZES = {"clip_fractions.png": (9, 6)}          # inches; the others have two panels side by side
+TWO_PANELS = (13, 6)
+
+
 def window_for(run: dict) -> int:
     """The moving-average window: about a tenth of the run, between 1 and 15 steps."""
     return max(1, min(15, len(run["steps"]) // 10))
@@ -117,111 +127,264 @@ def line(n_points: int) -> str:
     return "o-" if n_points < 30 else "-"
 
 
-def per_step(ax, run: dict, key: str, color, label: str) -> bool:
-    """Single steps (thin) and their moving average with a band; False when the run has no such metric."""
-    x, y = series(run, key, skip_skipped=True)
+def ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 < 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def run_title(run: dict) -> str:
+    """The run's identity in one line: objective (and the settings changed from its defaults), regime when not
+    the standard one, seed, steps (done of planned while it runs), task, data set and model when set."""
+    config = run["config"] if isinstance(run["config"], dict) else {}
+    objective = setting(run, "objective")
+    overrides = config.get("objective_overrides") or {}
+    if objective and isinstance(overrides, dict) and overrides:
+        objective += " (" + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                                      for k, v in overrides.items()) + ")"
+    done, planned = (run["steps"][-1]["step"] if run["steps"] else 0), run["planned"]
+    steps = (None if planned is None else f"{planned} steps" if done >= planned else f"{done} of {planned} steps")
+    regime = setting(run, "regime")
+    parts = [objective, f"{regime} regime" if regime not in (None, "standard") else None,
+             None if setting(run, "seed") is None else f"seed {setting(run, 'seed')}", steps,
+             None if setting(run, "task") is None else f"task {setting(run, 'task')}",
+             None if setting(run, "dataset") is None else f"data set {setting(run, 'dataset')}",
+             None if setting(run, "model") is None else f"model {setting(run, 'model')}"]
+    return ", ".join(str(p) for p in parts if p) or run["name"]
+
+
+def new_figure(plt, run: dict, size=TWO_PANELS, panels: int = 2):
+    """A figure titled with the run's identity, and its panels: each its own sub-figure, so that each keeps its
+    legend below it, outside the data."""
+    fig = plt.figure(figsize=size, layout="constrained")
+    title = fig.suptitle(run_title(run))
+    renderer = fig.canvas.get_renderer()
+    width = title.get_window_extent(renderer).width
+    if width > 0.97 * fig.bbox.width:            # a long model or data-set name: a smaller font, still one line
+        title.set_fontsize(title.get_fontsize() * 0.97 * fig.bbox.width / width)
+    subs = list(fig.subfigures(1, panels)) if panels > 1 else [fig]
+    return fig, [(sub, sub.subplots()) for sub in subs]
+
+
+def key(sub, ax, window: int | None = None, band: bool = False, extra=()) -> None:
+    """The panel's legend, below it. With `window`, entries that say what the thick lines (moving averages), the
+    faint ones (single steps) and the shaded bands are; `extra` adds (handle, label) pairs."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    handles, labels = ax.get_legend_handles_labels()
+    for handle, label in extra:
+        handles.append(handle)
+        labels.append(label)
+    if window and window > 1:
+        handles += [Line2D([], [], color="0.4", lw=2.5),
+                    Line2D([], [], color="0.4", lw=0.8, alpha=0.5, marker="o", ms=3)]
+        labels += [f"thick: moving average over {window} steps", "faint: single steps"]
+        if band:
+            handles.append(Patch(color="0.4", alpha=0.2, lw=0))
+            labels.append(f"shaded: \u00b11 s.d. of the single steps in each {window}-step window")
+    if handles:
+        sub.legend(handles, labels, loc="outside lower center")
+
+
+def not_measured(ax, text: str) -> None:
+    """An empty panel that says why it is empty."""
+    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", wrap=True, color="0.3")
+    ax.set(xticks=[], yticks=[])
+
+
+def smoothed(ax, x, y, color, label: str, window: int, band: bool = True, scale: float = 1.0) -> None:
+    """Single steps (faint) and their moving average (with its band); a run too short to smooth gets the single
+    steps alone."""
+    y = np.asarray(y, dtype=float) * scale
+    if window <= 1:
+        ax.plot(x, y, line(len(x)), ms=4, color=color, lw=2, label=label)
+        return
+    ax.plot(x, y, line(len(x)), ms=3, color=color, lw=0.8, alpha=0.35)
+    smoothed_band(ax, x, y, color, label, window, band=band)
+
+
+def per_step(ax, run: dict, key_: str, color, label: str, band: bool = True, scale: float = 1.0) -> bool:
+    """One metric of each step that made an update, smoothed (`smoothed`); False when the run has no such metric."""
+    x, y = series(run, key_, skip_skipped=True)
     if len(x):
-        ax.plot(x, y, line(len(x)), ms=3, color=color, lw=0.7, alpha=0.35)
-        smoothed_band(ax, x, y, color, f"{label} ({window_for(run)}-step mean)", window_for(run))
+        smoothed(ax, x, y, color, label, window_for(run), band=band, scale=scale)
     return bool(len(x))
 
 
-def accuracy_and_reward(plt, run: dict):
+def power_of_ten(values) -> int:
+    """The exponent that brings the largest |value| to between 1 and 10 (0 when that needs none)."""
+    top = float(np.max(np.abs(values))) if len(values) else 0.0
+    exponent = math.floor(math.log10(top)) if top > 0 else 0
+    return exponent if not 0 <= exponent < 3 else 0
+
+
+def accuracy_and_reward(plt, run: dict, notes: list):
+    from matplotlib.lines import Line2D
     x, accuracy = series(run, "eval/accuracy")
     if not len(x):
         return "no eval/accuracy in metrics.jsonl"
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.plot(x, accuracy, "o-", color="k", label="greedy (eval/accuracy)")
-    k = setting(run, "pass_k")
-    for key, style, label in ((f"eval/mean@{k}", "s--", f"one sample at temperature (eval/mean@{k})"),
-                              (f"eval/pass@{k}", "^:", f"any of {k} samples (eval/pass@{k})")):
-        xs, ys = series(run, key)
-        if len(xs):
-            left.plot(xs, ys, style, label=label)
-    left.set(xlabel="RL step", ylabel="fraction of held-out problems right", title="Held-out accuracy")
-    left.legend()
-    shown = [per_step(right, run, key, color, label) for key, color, label in
-             (("reward", "C0", "reward"), ("accuracy/strict", "C2", "rollout accuracy, strict"))]
-    right.set(xlabel="RL step", ylabel="mean over the step's completions", title="Training reward")
-    if any(shown):
-        right.legend()
-    fig.tight_layout()
+    fig, [(held_sub, held), (train_sub, train)] = new_figure(plt, run)
+    k, temperature = setting(run, "pass_k"), setting(run, "temperature")
+    n_test, n_sampled = setting(run, "n_test"), setting(run, "pass_k_problems")
+    n_sampled = min(n_sampled, n_test) if n_sampled and n_test else None
+    sampled = "one sample" + (f" at T={temperature:g}" if temperature is not None else "")
+    bounded = False
+    for key_, n, style, color, label, bound in (
+            ("eval/accuracy", n_test, "o-", "k", "greedy: one answer per problem", ""),
+            (f"eval/mean@{k}", n_sampled, "s--", "C0", f"{sampled}, mean of {k}", "*"),
+            (f"eval/pass@{k}", n_sampled, "^:", "C1", f"any of {k} samples right (pass@{k})", "*")):
+        xs, ps = series(run, key_)
+        if not len(xs):
+            notes.append(f"{key_} (not in metrics.jsonl)")
+            continue
+        bars = [wald_half_width(p, n) for p in ps] if n else None
+        held.errorbar(xs, ps, yerr=bars, fmt=style, color=color, ms=6, lw=2, capsize=5, elinewidth=1.5,
+                      label=f"{label}, {n} problems{bound}" if n else f"{label} (number of problems unknown)")
+        bounded = bounded or bool(bound and n)
+    held.set(xlabel="RL step", ylabel="fraction of held-out problems right", title="Held-out accuracy")
+    key(held_sub, held, extra=[(Line2D([], [], color="0.3", marker="|", ms=16, ls=""), "bars: 95% interval (Wald)"
+                                + (";  *: an upper bound" if bounded else ""))])
+    window = window_for(run)
+    xr, reward = series(run, "reward", skip_skipped=True)
+    xa, strict = series(run, "accuracy/strict", skip_skipped=True)
+    same = len(xr) and list(xr) == list(xa) and np.allclose(reward, strict, rtol=0, atol=1e-9)
+    lines = ([("reward (= strict accuracy here)", xr, reward, "C0")] if same else
+             [(label, xs, ys, color) for label, xs, ys, color in (("reward", xr, reward, "C0"),
+              ("rollout accuracy, strict", xa, strict, "C2")) if len(xs)])
+    for label, xs, ys, color in lines:
+        smoothed(train, xs, ys, color, label, window, band=len(lines) == 1)
+    train.set(xlabel="RL step", ylabel="mean over the step's completions", title="Training reward")
+    if lines:
+        key(train_sub, train, window, band=len(lines) == 1)
+    else:
+        not_measured(train, "no training step logged yet")
+        notes.append("training reward (no step logged yet)")
     return fig
 
 
-def entropy(plt, run: dict):
+def entropy(plt, run: dict, notes: list):
     if not len(series(run, "entropy")[0]):
         return "no entropy in metrics.jsonl"
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, [(left_sub, left), (right_sub, right)] = new_figure(plt, run)
+    window = window_for(run)
     per_step(left, run, "entropy", "C1", "entropy")
-    left.set(xlabel="RL step", ylabel="nats per token", title="Policy entropy of the rollout")
-    left.legend()
-    if per_step(right, run, "cov/logp_adv", "C3", "Cov(log pi, A)"):
+    left.set(xlabel="RL step", ylabel="nats per token, mean over\nthe rollout's completion tokens",
+             title="Policy entropy of the rollout")
+    key(left_sub, left, window, band=True)
+    right.set(title="Cov(log \u03c0, A): positive drives entropy down")
+    if per_step(right, run, "cov/logp_adv", "C3", "Cov(log \u03c0, A)"):
         right.axhline(0, color="k", lw=0.8)
-        right.legend()
-    right.set(xlabel="RL step", ylabel="covariance", title="Cov(log pi, A): positive drives entropy down")
-    fig.tight_layout()
+        right.set(xlabel="RL step", ylabel="covariance of log-probability and\nadvantage over completion tokens")
+        key(right_sub, right, window, band=True)
+    else:
+        not_measured(right, "not measured in this run")
+        notes.append("cov/logp_adv (not in metrics.jsonl)")
     return fig
 
 
-def kl_mask(plt, run: dict):
+def kl_mask(plt, run: dict, notes: list):
     if run["details"] is None:
         return "no details.jsonl (TEPO runs of the built-in engine write it)"
     rows = run["details"]
     n_minibatches = max((len(r.get("kl_mask_frac_by_minibatch") or []) for r in rows), default=0)
     if not n_minibatches:
         return "details.jsonl has no step with an update"
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, [(left_sub, left), (right_sub, right)] = new_figure(plt, run)
+    window = window_for(run)
     for k in range(n_minibatches):
         x, y = per_minibatch(rows, "kl_mask_frac_by_minibatch", k)
-        left.plot(x, y, line(len(x)), ms=3, color=f"C{k}",
-                  label=f"mini-batch {k + 1}" + (" (on-policy: no penalty)" if k == 0 else ""))
-    left.set(xlabel="RL step", ylabel="masked / valid completion tokens", title="TEPO's KL mask: share of tokens")
-    left.legend()
+        label = (f"{ordinal(k + 1)} optimizer step of the rollout"
+                 + ("\n(policy = old policy: mask cannot act)" if k == 0 else ""))
+        smoothed(left, x, y, f"C{k}", label, window, band=False)
+    left.set(xlabel="RL step", ylabel="masked tokens / completion tokens", title="TEPO's KL mask: share of tokens")
+    key(left_sub, left, window)
     x, penalty = series(run, "kl_mask/penalty", skip_skipped=True)
-    right.plot(x, penalty, line(len(x)), ms=3, color="C4")
-    right.set(xlabel="RL step", ylabel="mean M * |log pi - log pi_old| (nats)", title="kl_mask/penalty")
-    fig.tight_layout()
+    right.set(title="KL penalty on the masked tokens")
+    if len(x):
+        exponent = power_of_ten(smooth(penalty, window))
+        unit = "nats" if exponent == 0 else f"$10^{{{exponent}}}$ nats"      # 3e-5 nats reads as 3
+        smoothed(right, x, penalty, "C4", r"penalty $M \cdot |\log\pi - \log\pi_{\rm old}|$ (M: the mask)", window,
+                 scale=10.0 ** -exponent)
+        right.set(xlabel="RL step", ylabel=f"{unit} per token, mean over\ntokens and optimizer steps")
+        key(right_sub, right, window, band=True)
+    else:
+        not_measured(right, "not measured in this run")
+        notes.append("kl_mask/penalty (not in metrics.jsonl)")
     return fig
 
 
-def clip_fractions(plt, run: dict):
+def clip_fractions(plt, run: dict, notes: list):
     keys = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-    if not any(len(series(run, key)[0]) for key in keys):
+    if not any(len(series(run, key_)[0]) for key_ in keys):
         return "no clip_ratio/* in metrics.jsonl"
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for key, color in zip(keys, ("C0", "C3", "k")):
-        per_step(ax, run, key, color, key)
-    ax.set(xlabel="RL step", ylabel="fraction of completion tokens",
-           title="Clipped tokens, mean over the step's mini-batches")
-    ax.legend()
-    fig.tight_layout()
+    config = run["config"].get("objective_config") if isinstance(run["config"], dict) else None
+    eps = config if isinstance(config, dict) else {}
+    bound = {side: f" = {1 + sign * eps[f'eps_{side}']:g}" if isinstance(eps.get(f"eps_{side}"), (int, float)) else ""
+             for side, sign in (("low", -1), ("high", 1))}
+    labels = (f"ratio below 1 \u2212 \u03b5_low{bound['low']}, A < 0",
+              f"ratio above 1 + \u03b5_high{bound['high']}, A > 0", "either (all clipped tokens)")
+    fig, [(sub, ax)] = new_figure(plt, run, FIGURE_SIZES["clip_fractions.png"], panels=1)
+    for key_, color, label in zip(keys, ("C0", "C3", "k"), labels):
+        if not per_step(ax, run, key_, color, label, band=False, scale=100.0):
+            notes.append(f"{key_} (not in metrics.jsonl)")
+    ax.set(xlabel="RL step", ylabel="% of completion tokens, mean\nover the step's optimizer steps",
+           title="Clipped tokens: ratio outside the band, no gradient")
+    key(sub, ax, window_for(run))
     return fig
 
 
-def entropy_change(plt, run: dict):
-    x, predicted = series(run, "entropy_change/predicted", skip_skipped=True)
+def entropy_change(plt, run: dict, notes: list):
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
+    x_predicted, predicted = series(run, "entropy_change/predicted", skip_skipped=True)
     x_measured, measured = series(run, "entropy_change/measured", skip_skipped=True)
-    if not len(x) or list(x) != list(x_measured):
+    x = np.intersect1d(x_predicted, x_measured)            # the steps that ran the entropy check
+    if not len(x):
         return "no entropy_change/predicted and /measured in metrics.jsonl"
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.scatter(predicted, measured, s=12, c=x, cmap="viridis")
+    predicted, measured = predicted[np.isin(x_predicted, x)], measured[np.isin(x_measured, x)]
+    fig, [(left_sub, left), (right_sub, right)] = new_figure(plt, run)
+    r = pearson(list(predicted), list(measured), MIN_STEPS_FOR_R)
+    exponent = power_of_ten(np.concatenate([predicted, measured]))
+    unit = "nats per token" if exponent == 0 else f"$10^{{{exponent}}}$ nats per token"
+    predicted, measured = predicted * 10.0 ** -exponent, measured * 10.0 ** -exponent      # short tick labels
+    points = left.scatter(predicted, measured, s=30, c=x, cmap="viridis")
+    bar = left_sub.colorbar(points, ax=left, label="RL step")
+    bar.locator = MaxNLocator(integer=True)
+    bar.update_ticks()
     limit = 1.05 * max(np.abs(predicted).max(), np.abs(measured).max(), 1e-12)
     left.plot([-limit, limit], [-limit, limit], "k--", lw=1, label="measured = predicted")
-    left.set(xlim=(-limit, limit), ylim=(-limit, limit), xlabel="predicted -Cov(log p, dz) (nats per token)",
-             ylabel="measured H(after) - H(before)", title="Entropy change of each step (colour: RL step)")
-    left.legend()
-    right.plot(x, predicted, line(len(x)), ms=3, label="predicted")
-    right.plot(x, measured, line(len(x)).replace("o", "s") + "-", ms=3, label="measured")
+    left.set(xlim=(-limit, limit), ylim=(-limit, limit), xlabel=f"predicted: \u2212Cov(log p, \u0394z)\n({unit})",
+             ylabel=f"measured: H(after) \u2212 H(before)\n({unit})",
+             title=f"r = {r:.2f} over {len(x)} checked steps" if math.isfinite(r) else
+             f"too few steps for r (fewer than {MIN_STEPS_FOR_R} checked)")
+    key(left_sub, left, extra=[(Line2D([], [], ls="", marker="o", color="C2"), "one checked step (colour: RL step)")])
+    every = setting(run, "entropy_check_every")
+    right.plot(x, predicted, line(len(x)), ms=5, lw=1.5, label="predicted (first order)")
+    right.plot(x, measured, line(len(x)).replace("o", "s") + "-", ms=5, lw=1.5, label="measured")
     right.axhline(0, color="k", lw=0.8)
-    right.set(xlabel="RL step", ylabel="entropy change (nats per token)", title="Over the run")
-    right.legend()
-    fig.tight_layout()
+    right.set(xlabel="RL step", ylabel=f"entropy change of the step\n({unit})",
+              title="Each checked step" + (f" (every {ordinal(every)} step)" if every and every > 1 else ""))
+    key(right_sub, right)
     return fig
 
 
 FIGURES = {"accuracy_reward.png": accuracy_and_reward, "entropy.png": entropy, "kl_mask.png": kl_mask,
            "clip_fractions.png": clip_fractions, "entropy_change.png": entropy_change}
+
+
+def draw(plt, run: dict) -> dict:
+    """{file name: (figure or the note why there is none, notes on what the figure leaves out)} of the standard
+    figures, drawn in STYLE (plt.rc_context(STYLE) also around saving them keeps their sizes)."""
+    from matplotlib.ticker import MaxNLocator
+    made = {}
+    with plt.rc_context(STYLE):
+        for name, draw_figure in FIGURES.items():
+            notes = []
+            figure = draw_figure(plt, run, notes)
+            if not isinstance(figure, str):
+                for ax in figure.axes:
+                    if ax.get_xlabel() == "RL step":            # steps are whole numbers, also in a short run
+                        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            made[name] = (figure, notes)
+    return made
 
 
 def refuse(message: str) -> None:
@@ -248,21 +411,18 @@ def main(argv=None) -> int:
     import matplotlib
     matplotlib.use("Agg")             # files only: no display needed, none opened
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-    made = {name: draw(plt, run) for name, draw in FIGURES.items()}
+    made = draw(plt, run)
     out = run_dir / "figures"
     try:
         out.mkdir(exist_ok=True)
-        for name, figure in made.items():
-            if isinstance(figure, str):
-                print(f"{name}: skipped, {figure}")
-                continue
-            for ax in figure.axes:
-                if ax.get_xlabel() == "RL step":            # steps are whole numbers, also in a short run
-                    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            size = save_png(figure, out / name)
-            plt.close(figure)
-            print(f"{out / name} ({size // 1024} KB)")
+        with plt.rc_context(STYLE):
+            for name, (figure, notes) in made.items():
+                if isinstance(figure, str):
+                    print(f"{name}: skipped, {figure}")
+                    continue
+                size = save_png(figure, out / name)
+                plt.close(figure)
+                print(f"{out / name} ({size // 1024} KB" + (f"; without {', '.join(notes)})" if notes else ")"))
     except OSError as e:
         refuse(os_error_line(e))
     return 0

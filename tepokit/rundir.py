@@ -21,7 +21,7 @@ import torch
 import tepo
 from tepokit.errors import fail, first_line
 from tepokit.hub import without_transformers_bars
-from tepokit.stats import MIN_STEPS_FOR_R, accuracy_auc, pearson
+from tepokit.stats import MIN_STEPS_FOR_R, accuracy_auc, pearson, wald_half_width
 from tepokit.task import HIDDEN_TYPES
 
 
@@ -606,7 +606,7 @@ def end_span(n: int) -> int:
 
 def accuracy_with_interval(p: float, n: int) -> str:
     """'0.296 +- 0.040': an accuracy over n problems and the half-width of its 95% (Wald) interval."""
-    return f"{p:.3f} +- {1.96 * math.sqrt(p * (1 - p) / n):.3f}" if n else f"{p:.3f}"
+    return f"{p:.3f} +- {wald_half_width(p, n):.3f}" if n else f"{p:.3f}"
 
 
 def evaluation_line(row: dict, args, entropies: list[float]) -> str:

@@ -1,4 +1,4 @@
-"""The statistics the runs report: Pearson's r, pass@k (Chen et al. 2021), the area under the accuracy
+"""The statistics the runs report: Pearson's r, the Wald interval of an accuracy, pass@k (Chen et al. 2021), the area under the accuracy
 curve, Student's t intervals (closed form, no SciPy) for paired differences over seeds, and a mini-batch's
 metrics from its micro-batches'."""
 
@@ -21,6 +21,13 @@ def pearson(x: list[float], y: list[float], at_least: int = 3) -> float:
         return float("nan")
     xs, ys = torch.tensor(pairs, dtype=torch.float64).T
     return torch.corrcoef(torch.stack([xs, ys]))[0, 1].item()
+
+
+def wald_half_width(p: float, n: int) -> float:
+    """Half-width of the 95% (Wald) interval of a fraction p over n independent problems: 1.96 sqrt(p(1-p)/n).
+    For a mean of per-problem values in [0, 1] (pass@k, mean@k) it is an upper bound: their variance is at most
+    p(1-p)."""
+    return 1.96 * math.sqrt(p * (1 - p) / n)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
