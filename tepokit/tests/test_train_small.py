@@ -305,14 +305,17 @@ def test_evaluations_and_the_result_stay_on_screen_and_a_resumed_bar_counts_from
     resumed run's progress bar starts at the resumed step."""
     run_main([*MICRO, "--objective", "tepo", "--steps", "2", "--out", "runs/screen"])
     out = capsys.readouterr().out
-    assert re.search(r"^step    0: held-out accuracy \d\.\d{3}, pass@2 \d\.\d{3} \(the start model\)$", out, re.M)
-    assert re.search(r"^step    2: held-out accuracy \d\.\d{3}, pass@2 \d\.\d{3}, entropy \d\.\d{3}$", out, re.M)
+    interval = r"\d\.\d{3} \+- \d\.\d{3}"                 # a value and the half-width of its 95% interval
+    assert re.search(rf"^step    0: held-out accuracy {interval}, pass@2 {interval} \(the start model; \+- : 95% "
+                     r"intervals over 4 and 2 problems\)$", out, re.M)
+    e1, e2 = [r["entropy"] for r in read_rows("runs/screen")[1:]]       # 2 steps: the first and the last step
+    assert re.search(rf"^step    2: held-out accuracy {interval}, pass@2 {interval}, entropy {(e1 + e2) / 2:.3f} "
+                     r"\(mean of steps 1-2\)$", out, re.M)
     block = out[out.index("done: tepo, seed 1, 2 RL steps in"):]
     summary = json.load(open("runs/screen/summary.json"))
     assert f"{summary['start_accuracy']:.3f} +- " in block and "95% intervals over 4 problems" in block
     assert "(2 samples of each of 2 problems)" in block          # what the sampled accuracy was measured on
-    e1, e2 = [r["entropy"] for r in read_rows("runs/screen")[1:]]       # 2 steps: the first and the last step
-    assert f"token entropy        {e1:.3f} -> {e2:.3f} nats ({100 * (e2 / e1 - 1):+.0f}%; first and last 1 steps)" \
+    assert f"token entropy        {e1:.3f} -> {e2:.3f} nats ({100 * (e2 / e1 - 1):+.0f}%; first and last step)" \
         in block
     for label in ("held-out accuracy", "sampled (T=1)", "token entropy", "KL mask (TEPO)", "files", "next"):
         assert f"\n  {label}" in block, label
