@@ -510,3 +510,6 @@ def test_the_evaluation_line_gives_95_percent_intervals_and_the_mean_entropy_sin
                     "entropy 0.150 (mean of steps 38-40)")
     assert rundir.evaluation_line({"step": 7, "eval/accuracy": 0.5, "eval/pass@4": 0.5}, args, [0.3]).endswith(
         "entropy 0.300 (mean of step 7)")
+    # at 0 or 1 the Wald interval has no width: the rule of three's one-sided bound, 3 / n
+    assert rundir.accuracy_with_interval(1.0, 100) == "1.000 (>= 0.970)"
+    assert rundir.accuracy_with_interval(0.0, 500) == "0.000 (<= 0.006)"
