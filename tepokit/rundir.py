@@ -606,11 +606,13 @@ def end_span(n: int) -> int:
 
 def accuracy_with_interval(p: float, n: int) -> str:
     """'0.296 +- 0.040': an accuracy over n problems and the half-width of its 95% (Wald) interval. At 0 or 1
-    the Wald interval has no width, so the one-sided 95% bound of the rule of three is given: '1.000 (>= 0.970)'."""
+    the Wald interval has no width, so the exact one-sided 95% bound is given, 1 - 0.05^(1/n) away (about 3/n,
+    the rule of three): '1.000 (>= 0.970)'."""
     if not n:
         return f"{p:.3f}"
     if p in (0.0, 1.0):
-        return f"{p:.3f} ({'>= ' + format(1 - 3 / n, '.3f') if p == 1 else '<= ' + format(3 / n, '.3f')})"
+        bound = 1 - 0.05 ** (1 / n)
+        return f"{p:.3f} (>= {1 - bound:.3f})" if p == 1 else f"{p:.3f} (<= {bound:.3f})"
     return f"{p:.3f} +- {wald_half_width(p, n):.3f}"
 
 

@@ -1,6 +1,6 @@
-"""The statistics the runs report: Pearson's r, the Wald interval of an accuracy, pass@k (Chen et al. 2021), the area under the accuracy
-curve, Student's t intervals (closed form, no SciPy) for paired differences over seeds, and a mini-batch's
-metrics from its micro-batches'."""
+"""The statistics the runs report: Pearson's r, the Wald interval of an accuracy, pass@k (Chen et al. 2021), the
+area under the accuracy curve, Student's t intervals (closed form, no SciPy) for paired differences over seeds, and
+a mini-batch's metrics from its micro-batches'."""
 
 from __future__ import annotations
 

@@ -510,6 +510,7 @@ def test_the_evaluation_line_gives_95_percent_intervals_and_the_mean_entropy_sin
                     "entropy 0.150 (mean of steps 38-40)")
     assert rundir.evaluation_line({"step": 7, "eval/accuracy": 0.5, "eval/pass@4": 0.5}, args, [0.3]).endswith(
         "entropy 0.300 (mean of step 7)")
-    # at 0 or 1 the Wald interval has no width: the rule of three's one-sided bound, 3 / n
-    assert rundir.accuracy_with_interval(1.0, 100) == "1.000 (>= 0.970)"
-    assert rundir.accuracy_with_interval(0.0, 500) == "0.000 (<= 0.006)"
+    # at 0 or 1 the Wald interval has no width: the exact one-sided 95% bound, 1 - 0.05^(1/n), about 3/n
+    assert rundir.accuracy_with_interval(1.0, 100) == "1.000 (>= 0.970)"       # 0.05^(1/100) = 0.9705
+    assert rundir.accuracy_with_interval(0.0, 500) == "0.000 (<= 0.006)"       # 1 - 0.05^(1/500) = 0.0060
+    assert rundir.accuracy_with_interval(0.0, 2) == "0.000 (<= 0.776)"         # 1 - sqrt(0.05), not 3/2

@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from tepokit.stats import MIN_STEPS_FOR_R, accuracy_auc, pass_at_k, pearson, pass_k_values, student_t_central, t_interval, t_quantile_975
+from tepokit.stats import (MIN_STEPS_FOR_R, accuracy_auc, pass_at_k, pass_k_values, pearson, student_t_central,
+                           t_interval, t_quantile_975)
 from tepokit.tests.helpers import brute_force_pass_at_k
 
 

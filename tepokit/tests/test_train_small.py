@@ -10,6 +10,7 @@ import torch
 
 import tepo
 import train_small as ts
+from tepokit import rundir
 from tepokit.entropy_check import checked_rows
 from tepokit.model import build_char_tokenizer, build_tiny_model
 from tepokit.stats import accuracy_auc
@@ -305,7 +306,7 @@ def test_evaluations_and_the_result_stay_on_screen_and_a_resumed_bar_counts_from
     resumed run's progress bar starts at the resumed step."""
     run_main([*MICRO, "--objective", "tepo", "--steps", "2", "--out", "runs/screen"])
     out = capsys.readouterr().out
-    interval = r"\d\.\d{3} \+- \d\.\d{3}"                 # a value and the half-width of its 95% interval
+    interval = r"\d\.\d{3} (\+- \d\.\d{3}|\([<>]= \d\.\d{3}\))"   # a value and its 95% interval's half-width or bound
     assert re.search(rf"^step    0: held-out accuracy {interval}, pass@2 {interval} \(the start model; \+- : 95% "
                      r"intervals over 4 and 2 problems\)$", out, re.M)
     e1, e2 = [r["entropy"] for r in read_rows("runs/screen")[1:]]       # 2 steps: the first and the last step
@@ -313,7 +314,8 @@ def test_evaluations_and_the_result_stay_on_screen_and_a_resumed_bar_counts_from
                      r"\(mean of steps 1-2\)$", out, re.M)
     block = out[out.index("done: tepo, seed 1, 2 RL steps in"):]
     summary = json.load(open("runs/screen/summary.json"))
-    assert f"{summary['start_accuracy']:.3f} +- " in block and "95% intervals over 4 problems" in block
+    assert f"{rundir.accuracy_with_interval(summary['start_accuracy'], 4)} -> " in block
+    assert "95% intervals over 4 problems" in block
     assert "(2 samples of each of 2 problems)" in block          # what the sampled accuracy was measured on
     assert f"token entropy        {e1:.3f} -> {e2:.3f} nats ({100 * (e2 / e1 - 1):+.0f}%; first and last step)" \
         in block
