@@ -164,7 +164,7 @@ def new_figure(plt, run: dict, size=TWO_PANELS, panels: int = 2):
     return fig, [(sub, sub.subplots()) for sub in subs]
 
 
-def key(sub, ax, window: int | None = None, band: bool = False, extra=()) -> None:
+def legend_below(sub, ax, window: int | None = None, band: bool = False, extra=()) -> None:
     """The panel's legend, below it. With `window`, entries that say what the thick lines (moving averages), the
     faint ones (single steps) and the shaded bands are; `extra` adds (handle, label) pairs."""
     from matplotlib.lines import Line2D
@@ -201,9 +201,9 @@ def smoothed(ax, x, y, color, label: str, window: int, band: bool = True, scale:
     smoothed_band(ax, x, y, color, label, window, band=band)
 
 
-def per_step(ax, run: dict, key_: str, color, label: str, band: bool = True, scale: float = 1.0) -> bool:
+def per_step(ax, run: dict, key: str, color, label: str, band: bool = True, scale: float = 1.0) -> bool:
     """One metric of each step that made an update, smoothed (`smoothed`); False when the run has no such metric."""
-    x, y = series(run, key_, skip_skipped=True)
+    x, y = series(run, key, skip_skipped=True)
     if len(x):
         smoothed(ax, x, y, color, label, window_for(run), band=band, scale=scale)
     return bool(len(x))
@@ -227,21 +227,22 @@ def accuracy_and_reward(plt, run: dict, notes: list):
     n_sampled = min(n_sampled, n_test) if n_sampled and n_test else None
     sampled = "one sample" + (f" at T={temperature:g}" if temperature is not None else "")
     bounded = False
-    for key_, n, style, color, label, bound in (
+    for key, n, style, color, label, bound in (
             ("eval/accuracy", n_test, "o-", "k", "greedy: one answer per problem", ""),
             (f"eval/mean@{k}", n_sampled, "s--", "C0", f"{sampled}, mean of {k}", "*"),
             (f"eval/pass@{k}", n_sampled, "^:", "C1", f"any of {k} samples right (pass@{k})", "*")):
-        xs, ps = series(run, key_)
+        xs, ps = series(run, key)
         if not len(xs):
-            notes.append(f"{key_} (not in metrics.jsonl)")
+            notes.append(f"{key} (not in metrics.jsonl)")
             continue
         bars = [wald_half_width(p, n) for p in ps] if n else None
         held.errorbar(xs, ps, yerr=bars, fmt=style, color=color, ms=6, lw=2, capsize=5, elinewidth=1.5,
                       label=f"{label}, {n} problems{bound}" if n else f"{label} (number of problems unknown)")
         bounded = bounded or bool(bound and n)
     held.set(xlabel="RL step", ylabel="fraction of held-out problems right", title="Held-out accuracy")
-    key(held_sub, held, extra=[(Line2D([], [], color="0.3", marker="|", ms=16, ls=""), "bars: 95% interval (Wald)"
-                                + (";  *: an upper bound" if bounded else ""))])
+    bar = Line2D([], [], color="0.3", marker="|", ms=16, ls="")
+    bar_text = "bars: 95% interval (Wald)" + (";  *: an upper bound" if bounded else "")
+    legend_below(held_sub, held, extra=[(bar, bar_text)])
     window = window_for(run)
     xr, reward = series(run, "reward", skip_skipped=True)
     xa, strict = series(run, "accuracy/strict", skip_skipped=True)
@@ -253,7 +254,7 @@ def accuracy_and_reward(plt, run: dict, notes: list):
         smoothed(train, xs, ys, color, label, window, band=len(lines) == 1)
     train.set(xlabel="RL step", ylabel="mean over the step's completions", title="Training reward")
     if lines:
-        key(train_sub, train, window, band=len(lines) == 1)
+        legend_below(train_sub, train, window, band=len(lines) == 1)
     else:
         not_measured(train, "no training step logged yet")
         notes.append("training reward (no step logged yet)")
@@ -268,12 +269,12 @@ def entropy(plt, run: dict, notes: list):
     per_step(left, run, "entropy", "C1", "entropy")
     left.set(xlabel="RL step", ylabel="nats per token, mean over\nthe rollout's completion tokens",
              title="Policy entropy of the rollout")
-    key(left_sub, left, window, band=True)
+    legend_below(left_sub, left, window, band=True)
     right.set(title="Cov(log \u03c0, A): positive drives entropy down")
     if per_step(right, run, "cov/logp_adv", "C3", "Cov(log \u03c0, A)"):
         right.axhline(0, color="k", lw=0.8)
         right.set(xlabel="RL step", ylabel="covariance of log-probability and\nadvantage over completion tokens")
-        key(right_sub, right, window, band=True)
+        legend_below(right_sub, right, window, band=True)
     else:
         not_measured(right, "not measured in this run")
         notes.append("cov/logp_adv (not in metrics.jsonl)")
@@ -295,7 +296,7 @@ def kl_mask(plt, run: dict, notes: list):
                  + ("\n(policy = old policy: mask cannot act)" if k == 0 else ""))
         smoothed(left, x, y, f"C{k}", label, window, band=False)
     left.set(xlabel="RL step", ylabel="masked tokens / completion tokens", title="TEPO's KL mask: share of tokens")
-    key(left_sub, left, window)
+    legend_below(left_sub, left, window)
     x, penalty = series(run, "kl_mask/penalty", skip_skipped=True)
     right.set(title="KL penalty on the masked tokens")
     if len(x):
@@ -304,7 +305,7 @@ def kl_mask(plt, run: dict, notes: list):
         smoothed(right, x, penalty, "C4", r"penalty $M \cdot |\log\pi - \log\pi_{\rm old}|$ (M: the mask)", window,
                  scale=10.0 ** -exponent)
         right.set(xlabel="RL step", ylabel=f"{unit} per token, mean over\ntokens and optimizer steps")
-        key(right_sub, right, window, band=True)
+        legend_below(right_sub, right, window, band=True)
     else:
         not_measured(right, "not measured in this run")
         notes.append("kl_mask/penalty (not in metrics.jsonl)")
@@ -313,7 +314,7 @@ def kl_mask(plt, run: dict, notes: list):
 
 def clip_fractions(plt, run: dict, notes: list):
     keys = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-    if not any(len(series(run, key_)[0]) for key_ in keys):
+    if not any(len(series(run, key)[0]) for key in keys):
         return "no clip_ratio/* in metrics.jsonl"
     config = run["config"].get("objective_config") if isinstance(run["config"], dict) else None
     eps = config if isinstance(config, dict) else {}
@@ -322,12 +323,12 @@ def clip_fractions(plt, run: dict, notes: list):
     labels = (f"ratio below 1 \u2212 \u03b5_low{bound['low']}, A < 0",
               f"ratio above 1 + \u03b5_high{bound['high']}, A > 0", "either (all clipped tokens)")
     fig, [(sub, ax)] = new_figure(plt, run, FIGURE_SIZES["clip_fractions.png"], panels=1)
-    for key_, color, label in zip(keys, ("C0", "C3", "k"), labels):
-        if not per_step(ax, run, key_, color, label, band=False, scale=100.0):
-            notes.append(f"{key_} (not in metrics.jsonl)")
+    for key, color, label in zip(keys, ("C0", "C3", "k"), labels):
+        if not per_step(ax, run, key, color, label, band=False, scale=100.0):
+            notes.append(f"{key} (not in metrics.jsonl)")
     ax.set(xlabel="RL step", ylabel="% of completion tokens, mean\nover the step's optimizer steps",
            title="Clipped tokens: ratio outside the band, no gradient")
-    key(sub, ax, window_for(run))
+    legend_below(sub, ax, window_for(run))
     return fig
 
 
@@ -355,14 +356,15 @@ def entropy_change(plt, run: dict, notes: list):
              ylabel=f"measured: H(after) \u2212 H(before)\n({unit})",
              title=f"r = {r:.2f} over {len(x)} checked steps" if math.isfinite(r) else
              f"too few steps for r (fewer than {MIN_STEPS_FOR_R} checked)")
-    key(left_sub, left, extra=[(Line2D([], [], ls="", marker="o", color="C2"), "one checked step (colour: RL step)")])
+    dot = Line2D([], [], ls="", marker="o", color="C2")
+    legend_below(left_sub, left, extra=[(dot, "one checked step (colour: RL step)")])
     every = setting(run, "entropy_check_every")
     right.plot(x, predicted, line(len(x)), ms=5, lw=1.5, label="predicted (first order)")
     right.plot(x, measured, line(len(x)).replace("o", "s") + "-", ms=5, lw=1.5, label="measured")
     right.axhline(0, color="k", lw=0.8)
     right.set(xlabel="RL step", ylabel=f"entropy change of the step\n({unit})",
               title="Each checked step" + (f" (every {ordinal(every)} step)" if every and every > 1 else ""))
-    key(right_sub, right)
+    legend_below(right_sub, right)
     return fig
 
 
