@@ -621,12 +621,11 @@ def evaluation_line(row: dict, args, entropies: list[float]) -> str:
     intervals (for pass@k, a mean of per-problem values in [0, 1], the Wald half-width is an upper bound), and the
     token entropy as the mean of the rollouts since the previous line: one step's entropy is too noisy to show a
     trend in a few lines. At step 0 (the start model, no rollout yet) the line says what the intervals are."""
-    step, k = row["step"], args.pass_k
+    step, k, sampled = row["step"], args.pass_k, min(args.pass_k_problems, args.n_test)   # pass@k's problems
     text = (f"step {step:>4}: held-out accuracy {accuracy_with_interval(row['eval/accuracy'], args.n_test)}, "
-            f"pass@{k} {accuracy_with_interval(row[f'eval/pass@{k}'], min(args.pass_k_problems, args.n_test))}")
+            f"pass@{k} {accuracy_with_interval(row[f'eval/pass@{k}'], sampled)}")
     if not entropies:
-        return (text + f" (the start model; +- : 95% intervals over {args.n_test} and "
-                       f"{min(args.pass_k_problems, args.n_test)} problems)")
+        return text + f" (the start model; +- : 95% intervals over {args.n_test} and {sampled} problems)"
     first = step - len(entropies) + 1
     steps = f"step {step}" if first == step else f"steps {first}-{step}"
     return text + f", entropy {sum(entropies) / len(entropies):.3f} (mean of {steps})"
