@@ -576,8 +576,9 @@ def write_summary(run_dir: str, rows: list[dict], args, wall: float) -> dict:
                                                                                                   "forks/entropy")
         summary["strategies_per_group_start"], summary["strategies_per_group_end"] = first_and_last_means(
             rollouts, "forks/strategies_per_group")
-        summary |= {"start_" + k[len("eval/"):]: v for k, v in evals[0].items() if "/" in k[len("eval/"):]}
-        summary |= {"final_" + k[len("eval/"):]: v for k, v in evals[-1].items() if "/" in k[len("eval/"):]}
+        by_type = [k for k in evals[-1] if k.startswith("eval/") and "/" in k[len("eval/"):]]   # eval/pass@2/add
+        summary |= {"start_" + k[len("eval/"):]: evals[0][k] for k in by_type if k in evals[0]}
+        summary |= {"final_" + k[len("eval/"):]: evals[-1][k] for k in by_type}
         formats = [r["format/valid"] for r in rollouts]     # one rollout: 128 samples; one evaluation: 1,600
         summary |= {"format_eval_min": min(r["eval/format"] for r in evals), "format_rollout_min": min(formats),
                     "format_rollout_mean": sum(formats) / len(formats)}

@@ -376,6 +376,11 @@ def test_hidden_type_task_logs_its_forks_and_summarises_the_collapse(workdir):
     summary = json.load(open(os.path.join(out, "summary.json")))
     assert {"decision_entropy_start", "decision_entropy_end", "start_pass@2/add", "final_pass@2/add",
             "format_eval_min", "format_rollout_min", "format_rollout_mean"} <= set(summary)
+    # each start_/final_ key is an evaluation key, whole: final_pass@2/add from eval/pass@2/add
+    evaluated = {k[len("eval/"):] for k in rows[-1] if k.startswith("eval/")}
+    for key in summary:
+        if key.startswith(("start_", "final_")) and "/" in key:
+            assert key.split("_", 1)[1] in evaluated, key
 
 
 def test_two_runs_of_one_command_started_together_write_the_same_rows(tmp_path):
