@@ -22,7 +22,8 @@ Read it top to bottom:
         4. advantages              tepo.group_advantages; DAPO's filter                     (compute_advantages)
         5. old log-probs           the sampler's, or recomputed (--recompute-old-logprobs)  (rollout_statistics)
         6. update                  one optimizer step per mini-batch, tepo.OBJECTIVES       (update_policy)
-        7. measure                 entropy change predicted vs measured                     (entropy_check)
+        7. measure                 after the update and outside it: entropy change predicted vs measured,
+                                   what each mechanism did to the update, the forks           (measure_step)
   5. evaluate         held-out accuracy (greedy) and pass@k
   6. the loop         train: start or resume a run, then step, evaluate, log and checkpoint
 A second built-in task, `--task hidden-type`, is made for entropy collapse: two hidden types of problem, 70/30,
@@ -67,11 +68,12 @@ from tqdm.auto import tqdm
 
 import tepo
 from tepokit.bench import PhaseClock
-from tepokit.entropy_check import NO_ENTROPY_CHANGE, EntropyCheckPositions, checked_rows, entropy_check
+from tepokit.entropy_check import EntropyCheckPositions, checked_rows
 from tepokit.errors import fail, os_error_line
-from tepokit.forks import eval_by_type, rollout_fork_metrics
+from tepokit.forks import eval_by_type
 from tepokit.forward import completion_logits, precision_noise_floor, rows_per_forward, token_entropy, token_logprobs
 from tepokit.kl_mask_log import KLMaskDetails
+from tepokit.measure import measure_step
 from tepokit.memory import check_memory, peak_memory_mb, process_memory_mb, reset_peak_memory
 from tepokit.model import eos_ids_of, load_policy, pick_device, prepare_start_model
 from tepokit.report import Trackers, trackers_of
@@ -148,6 +150,7 @@ class Args:
     pass_k_problems: int = 200          # held-out problems used for pass@k and mean@k
     entropy_check_rows: int = 64        # completions used for the predicted-vs-measured entropy check
     entropy_check_every: int = 4        # run the entropy check every N steps (it costs one extra forward)
+    effect_check_every: int = 4         # measure each mechanism's effect every N steps (a forward, backwards); 0: never
     check_sampling_logprobs: bool = True  # with recomputed old log-probs: compare the sampler's with them
     report_to: str = "none"             # live curves: none, tensorboard, trackio, wandb, or a list (tepokit/report.py)
     target_accuracy: float = 0.40       # --compare: steps needed to reach this held-out accuracy
@@ -315,18 +318,13 @@ def rl_step(run: Run, step: int) -> tuple[dict, dict | None]:
     details = KLMaskDetails(run.cfg, batch.completion_ids.shape[1], run.device) if run.details_path else None
     losses = update_policy(run, batch, old, adv, plan, details) if plan else {}     # 6. dict of floats
     clock.lap("update")
-    if check_entropy:                                                               # 7. dict of floats
-        entropy_change = entropy_check(run, batch, old.entropy_check_positions)
-    else:                  # a step without an update changed nothing; otherwise the check skipped this step
-        entropy_change = NO_ENTROPY_CHANGE if not plan else {}
-    clock.lap("entropy_check")
     # [B] str: each row's type of problem on the hidden-type task, else None
     types = [t for t in records["type"] for _ in range(args.group_size)] if "type" in records.column_names else None
-    forks = rollout_fork_metrics(texts, types, old.entropy, old.logp, adv, batch.completion_mask, scored["strict"],
-                                 args.group_size, one_token_per_character=args.model is None)
+    measured = measure_step(run, step, batch, old, adv, plan, texts, types, scored["strict"], check_entropy)  # 7.
+    clock.lap("measure")
     tokens = batch.completion_mask.sum().item()
-    row = {"step": step, **rollout_metrics(batch, scored, keep, args), **rollout_stats, **forks, **losses,
-           **entropy_change, **clock.row(), "perf/tokens_per_second": tokens / clock.total()}
+    row = {"step": step, **rollout_metrics(batch, scored, keep, args), **rollout_stats, **losses, **measured,
+           **clock.row(), "perf/tokens_per_second": tokens / clock.total()}
     return row, details.row(step, batch, scored["rewards"], run.tokenizer) if details else None
 
 

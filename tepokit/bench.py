@@ -177,7 +177,7 @@ def bench_args(args, out: str):
     no checkpoints, no entropy check (a measurement TRL does not make), no tracker."""
     return dataclasses.replace(args, bench=False, out=out, steps=args.bench_steps + 1, eval_every=10**9,
                                save_every=10**9, pass_k=1, pass_k_problems=1, check_sampling_logprobs=False,
-                               entropy_check_every=10**9, report_to="none")
+                               entropy_check_every=10**9, effect_check_every=0, report_to="none")
 
 
 def timed_steps(args, obj_overrides: dict, train, out: str) -> dict:

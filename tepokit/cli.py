@@ -185,6 +185,7 @@ VALID: dict[str, tuple] = {
     "pass_k_problems": at_least(1),
     "entropy_check_rows": at_least(0),
     "entropy_check_every": at_least(1),
+    "effect_check_every": at_least(0),
     "report_to": ("none, or a comma-separated list of: " + ", ".join(TRACKERS), valid_report_to, None),
     "target_accuracy": fraction(),
     # --- modes ---

@@ -1,0 +1,35 @@
+"""What an RL step did, measured after its update and outside it (train_small.py, step 7 of rl_step):
+
+  - the entropy change of the update, predicted against measured (tepokit/entropy_check.py);
+  - what each mechanism of the objective did to the update (tepokit/mechanisms.py);
+  - the rollout's forks: the decision tokens and strategies of the hidden-type task (tepokit/forks.py).
+
+The update is not told that it is measured: each measurement makes its own forward (and backward) passes
+after it, and draws no random number from the run's stream, so a run's training is the same with any of
+them switched off."""
+
+from __future__ import annotations
+
+from tepokit.entropy_check import NO_ENTROPY_CHANGE, entropy_check
+from tepokit.forks import decision_mask, rollout_fork_metrics
+from tepokit.mechanisms import mechanism_effects
+
+
+def measure_step(run, step: int, batch, old, adv, plan: list, texts: list[str], types: list[str] | None,
+                 correct, check_entropy: bool) -> dict:
+    """The step's measurements as one dict of floats. batch: the Rollout; old: the OldPolicy (its logits before
+    the update, where the entropy check ran); adv [B]; plan: the update's mini-batches ([] when there was no
+    update); texts [B]; types [B] (the hidden-type task) or None; correct [B]; check_entropy: this step checks."""
+    args = run.args
+    if check_entropy:
+        row = entropy_check(run, batch, old.entropy_check_positions)
+    else:                  # a step without an update changed nothing; otherwise the check skipped this step
+        row = dict(NO_ENTROPY_CHANGE) if not plan else {}
+    one_token_per_character = args.model is None      # the built-in tokenizer: decisions are read from the text
+    if plan and args.effect_check_every and step % args.effect_check_every == 0:
+        decisions = (decision_mask(texts, batch.completion_mask.shape, batch.completion_mask.device)
+                     if types is not None and one_token_per_character else None)                    # [B, T]
+        row |= mechanism_effects(run.model, batch, old, adv, plan, args.objective, run.cfg, args, step, decisions)
+    row |= rollout_fork_metrics(texts, types, old.entropy, old.logp, adv, batch.completion_mask, correct,
+                                args.group_size, one_token_per_character)
+    return row
