@@ -870,7 +870,8 @@ def clip_cov_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entro
 
         l_{i,t} = max(-A r, -A clip(r, 1-eps_low, 1+eps_high)) * (0 if (i,t) selected else 1)
         candidates: valid, not already clipped by PPO, clip_cov_lb < Cov_{i,t} < clip_cov_ub
-        selected:   min(max(1, int(clip_cov_ratio * N_valid)), #candidates) drawn uniformly
+        selected:   min(max(1, int(clip_cov_ratio * N_valid)), #candidates) drawn uniformly;
+                    none at clip_cov_ratio = 0 (ours: the control that selects nothing)
 
     High Cov_{i,t} = (log pi - mean)(A - mean) marks the tokens that drive entropy down
     (section 4); freezing a few of them keeps entropy up. The draw uses torch's global RNG:
@@ -889,7 +890,9 @@ def clip_cov_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entro
         # candidates: valid tokens that PPO has not already clipped (low | high), lb < Cov < ub
         ranked = cov.masked_fill(~mask | low | high, float("-inf"))
         candidates = ((ranked > cfg.clip_cov_lb) & (ranked < cfg.clip_cov_ub)).flatten().nonzero().squeeze(-1)
-        n_clip = min(max(1, int(cfg.clip_cov_ratio * mask.sum().item())), candidates.numel())
+        # verl's max(1, ...) selects a token at any ratio > 0; ratio 0 is Clip-Cov switched off (our addition)
+        n_clip = min(max(1, int(cfg.clip_cov_ratio * mask.sum().item())) if cfg.clip_cov_ratio > 0 else 0,
+                     candidates.numel())
         chosen = candidates[torch.randperm(candidates.numel(), device=candidates.device)[:n_clip]]
         keep = torch.ones(logp.numel(), dtype=torch.bool, device=logp.device)
         keep[chosen] = False

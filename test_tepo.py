@@ -1345,6 +1345,15 @@ def test_clip_cov_selects_min_of_clip_num_and_candidates_and_zeroes_only_their_g
     assert m["cov/n_selected"] == float(n_exp)
 
 
+def test_clip_cov_at_ratio_0_selects_nothing_and_is_vanilla_ppo():
+    """Property 34, the control: clip_cov_ratio = 0 selects no token (verl's max(1, ...) would select one), so
+    Clip-Cov switched off is PPO's clipped surrogate with Clip-Cov's settings, gradient included."""
+    x = cov_inputs()
+    _, g, m = run("clip_cov", x.logp, x.logp.clone(), x.adv, x.mask, clip_cov_cfg(clip_cov_ratio=0.0))
+    assert m["cov/n_selected"] == 0.0
+    assert_close(g, vanilla_grad(x, x.logp))
+
+
 def test_clip_cov_excludes_tokens_already_clipped_by_ppo_from_candidates():
     """Property 34: PPO-clipped tokens are not candidates (n_selected counts only unclipped ones)."""
     x = cov_inputs(seed=40, noise=0.3)

@@ -117,6 +117,7 @@ class Args:
     dataset: str | None = None          # openai/gsm8k, a local dataset dir or .jsonl (default: a built-in task)
     task: str = "arith"                 # built-in task: arith, or hidden-type (made for entropy collapse)
     majority: float = 0.7               # hidden-type task: share of the problems whose right reading is the first
+    cue: float = 0.0                    # hidden-type task: the item word tells the type on this share (0: never)
     difficulty: int = 15                # built-in task: largest operand
     ops: str = "+-*"                    # built-in task: operations to draw from (any of + - *)
     sft_noise: float = 0.5              # built-in task: fraction of warm-up demonstrations that misread the problem
@@ -318,9 +319,7 @@ def rl_step(run: Run, step: int) -> tuple[dict, dict | None]:
     details = KLMaskDetails(run.cfg, batch.completion_ids.shape[1], run.device) if run.details_path else None
     losses = update_policy(run, batch, old, adv, plan, details) if plan else {}     # 6. dict of floats
     clock.lap("update")
-    # [B] str: each row's type of problem on the hidden-type task, else None
-    types = [t for t in records["type"] for _ in range(args.group_size)] if "type" in records.column_names else None
-    measured = measure_step(run, step, batch, old, adv, plan, texts, types, scored["strict"], check_entropy)  # 7.
+    measured = measure_step(run, step, batch, old, adv, plan, texts, records, scored["strict"], check_entropy)  # 7.
     clock.lap("measure")
     tokens = batch.completion_mask.sum().item()
     row = {"step": step, **rollout_metrics(batch, scored, keep, args), **rollout_stats, **losses, **measured,
@@ -533,7 +532,8 @@ def evaluate(model, tokenizer, test, args: Args, device) -> dict:
            **{f"eval/pass@{k}": value for k, value in mean_pass_at_k(n_right, args.pass_k).items()},
            f"eval/mean@{args.pass_k}": right.mean().item()}
     if "type" in test.column_names:     # the hidden-type task: each type apart (tepokit/forks.py)
-        row |= eval_by_type(greedy_right, right, sampled_texts, list(test["type"]), args.pass_k)
+        row |= eval_by_type(greedy_right, right, sampled_texts, list(test["type"]), args.pass_k, list(test["answer"]),
+                            list(test["cue"]) if "cue" in test.column_names else None)
     return row
 
 

@@ -153,6 +153,8 @@ VALID: dict[str, tuple] = {
                     hub_id_or_local),
     "task": one_of(["arith", "hidden-type"]),
     "majority": fraction(),
+    "cue": ("0 (no cue) or a number in [0.5, 1]: the share of problems whose type the item word tells",
+            lambda v: v == 0 or 0.5 <= v <= 1, None),
     "difficulty": at_least(1),
     "ops": ("a non-empty string of distinct characters from + - *",
             lambda v: 0 < len(v) == len(set(v)) and set(v) <= set("+-*"), None),
@@ -220,6 +222,8 @@ def builtin_task_size(args) -> int:
 # Rules that relate flags: (field, what is valid, test of the whole Args). The text may name other
 # flags' values as {field} and the derived sizes {rows_per_minibatch}, {builtin_task_size}.
 RELATIONS = [
+    ("cue", "0 unless --task hidden-type (without --dataset): the cue is that task's item word",
+     lambda a: a.cue == 0 or (a.task == "hidden-type" and a.dataset is None)),
     ("overlong_cache", "an integer in 1..{max_new_tokens} (--max-new-tokens)",
      lambda a: a.overlong_cache <= a.max_new_tokens),
     ("n_embd", "a multiple of --n-head ({n_head})", lambda a: a.n_embd % a.n_head == 0),

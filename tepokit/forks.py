@@ -17,6 +17,8 @@ its token's position: the decision positions are read from the texts (built-in m
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 import tepo
@@ -53,6 +55,13 @@ def strategy_of(text: str) -> str | None:
     return found[1] if found else None
 
 
+def solved_by_either(answer: str) -> bool:
+    """Does either operator solve this hidden-type problem? Only 2 and 2 (2+2 = 2*2): a right answer there says
+    nothing about which type the policy chose, so the per-type results leave such problems out."""
+    found = re.match(r"(\d+)[+*](\d+)=", answer)
+    return found is not None and int(found[1]) + int(found[2]) == int(found[1]) * int(found[2])
+
+
 def decision_mask(texts: list[str], shape: tuple, device) -> torch.Tensor:
     """1 at each completion's decision token (its first operator; character tokenizer), else 0.   -> [B, T]"""
     mask = torch.zeros(shape, dtype=torch.long, device=device)
@@ -65,8 +74,11 @@ def decision_mask(texts: list[str], shape: tuple, device) -> torch.Tensor:
 
 def rollout_fork_metrics(texts: list[str], types: list[str] | None, entropy: torch.Tensor, logp: torch.Tensor,
                          adv: torch.Tensor, mask: torch.Tensor, correct: torch.Tensor, group_size: int,
-                         one_token_per_character: bool = True) -> dict:
-    """One rollout's forks. entropy, logp [B, T] (the rollout policy's), adv [B], mask [B, T], correct [B].
+                         one_token_per_character: bool = True, answers: list[str] | None = None,
+                         cues: list[str] | None = None) -> dict:
+    """One rollout's forks. entropy, logp [B, T] (the rollout policy's), adv [B], mask [B, T], correct [B];
+    answers [B] the right worked answers (their problems that either operator solves are left out of the
+    accuracy of each type), cues [B] the type each row's item word points to (the cue variant) or None.
     The decision token's position is read from the text, so its metrics need one token per character (the
     built-in tokenizer); with another tokenizer (--model) they are left out.
 
@@ -77,7 +89,9 @@ def rollout_fork_metrics(texts: list[str], types: list[str] | None, entropy: tor
       forks/cov_logp_adv         Cov(log pi, A) over the decision tokens (Cui et al.: > 0 lowers entropy)
       forks/strategies_per_group distinct strategies among a group's completions (1: the group agrees)
       forks/majority_share       share of completions that chose the majority's strategy
-      accuracy/<type>            the rollout's accuracy on the problems of each hidden type
+      accuracy/<type>            the rollout's accuracy on the problems of each hidden type (solved_by_either
+                                 problems left out)
+      forks/cue_share            the cue variant: share of completions that chose the type the cue points to
     """
     row = {"entropy/top20": top_entropy_mean(entropy, mask), "format/valid": valid_format(texts).mean().item()}
     if types is None:
@@ -93,20 +107,30 @@ def rollout_fork_metrics(texts: list[str], types: list[str] | None, entropy: tor
                 "forks/entropy_rest": tepo.masked_mean(entropy, rest.bool()).item(),
                 "forks/cov_logp_adv": tepo.masked_mean(tepo.token_covariance(logp, adv.to(logp.device), at_fork),
                                                        at_fork.bool()).item()}
+    if cues is not None:
+        row["forks/cue_share"] = sum(s == c for s, c in zip(strategies, cues)) / len(strategies)
+    either = [solved_by_either(a) for a in answers] if answers is not None else [False] * len(types)
     for kind in HIDDEN_TYPES:
-        rows = [i for i, t in enumerate(types) if t == kind]
+        rows = [i for i, t in enumerate(types) if t == kind and not either[i]]
         if rows:
             row[f"accuracy/{kind}"] = correct[rows].mean().item()
     return row
 
 
 def eval_by_type(greedy: torch.Tensor, right: torch.Tensor, sampled_texts: list[str], types: list[str],
-                 pass_k: int) -> dict:
+                 pass_k: int, answers: list[str] | None = None, cues: list[str] | None = None) -> dict:
     """Held-out results of each hidden type: greedy accuracy [N], pass@k and mean@k from the K samples of the
-    first problems (right [problems, K]), and the valid-format share of those samples."""
-    row = {"eval/format": valid_format(sampled_texts).mean().item()}
+    first problems (right [problems, K]), and the valid-format share of those samples. answers [N], the right
+    worked answers: the problems either operator solves are left out of each type's results and counted
+    (eval/solved_by_either). cues [N] (the cue variant): eval/cue_share, the share of the samples that chose the
+    type the cue points to."""
+    either = [solved_by_either(a) for a in answers] if answers is not None else [False] * len(types)
+    row = {"eval/format": valid_format(sampled_texts).mean().item(), "eval/solved_by_either": float(sum(either))}
+    if cues is not None:
+        chosen = [strategy_of(t) for t in sampled_texts]                    # K samples of each problem in turn
+        row["eval/cue_share"] = sum(s == cues[i // pass_k] for i, s in enumerate(chosen)) / max(1, len(chosen))
     for kind in HIDDEN_TYPES:
-        greedy_rows = [i for i, t in enumerate(types) if t == kind]
+        greedy_rows = [i for i, t in enumerate(types) if t == kind and not either[i]]
         sampled_rows = [i for i in greedy_rows if i < right.shape[0]]
         if greedy_rows:
             row[f"eval/accuracy/{kind}"] = greedy[greedy_rows].mean().item()

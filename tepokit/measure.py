@@ -15,12 +15,17 @@ from tepokit.forks import decision_mask, rollout_fork_metrics
 from tepokit.mechanisms import mechanism_effects
 
 
-def measure_step(run, step: int, batch, old, adv, plan: list, texts: list[str], types: list[str] | None,
-                 correct, check_entropy: bool) -> dict:
+def measure_step(run, step: int, batch, old, adv, plan: list, texts: list[str], records, correct,
+                 check_entropy: bool) -> dict:
     """The step's measurements as one dict of floats. batch: the Rollout; old: the OldPolicy (its logits before
     the update, where the entropy check ran); adv [B]; plan: the update's mini-batches ([] when there was no
-    update); texts [B]; types [B] (the hidden-type task) or None; correct [B]; check_entropy: this step checks."""
+    update); texts [B]; records: the step's problems (a Dataset of B / G rows; the hidden-type task's have a
+    type, and with a cue a cue); correct [B]; check_entropy: this step checks the entropy change."""
     args = run.args
+
+    def each_row(column):                  # a column of the problems, one value per completion [B]; or None
+        return [v for v in records[column] for _ in range(args.group_size)] if column in records.column_names else None
+    types = each_row("type")
     if check_entropy:
         row = entropy_check(run, batch, old.entropy_check_positions)
     else:                  # a step without an update changed nothing; otherwise the check skipped this step
@@ -31,5 +36,5 @@ def measure_step(run, step: int, batch, old, adv, plan: list, texts: list[str], 
                      if types is not None and one_token_per_character else None)                    # [B, T]
         row |= mechanism_effects(run.model, batch, old, adv, plan, args.objective, run.cfg, args, step, decisions)
     row |= rollout_fork_metrics(texts, types, old.entropy, old.logp, adv, batch.completion_mask, correct,
-                                args.group_size, one_token_per_character)
+                                args.group_size, one_token_per_character, each_row("answer"), each_row("cue"))
     return row

@@ -368,8 +368,32 @@ def entropy_change(plt, run: dict, notes: list):
     return fig
 
 
+def mechanisms(plt, run: dict, notes: list):
+    names = sorted({k.split("/")[1] for r in run["steps"] for k in r
+                    if k.startswith("effect/") and k.endswith("/update_change")})
+    if not names:
+        return "no effect/* in metrics.jsonl (--effect-check-every 0, or a run made before it existed)"
+    fig, [(left_sub, left), (right_sub, right)] = new_figure(plt, run)
+    x_all, valid = series(run, "effect/tokens", skip_skipped=True)
+    for i, name in enumerate(names):
+        x, change = series(run, f"effect/{name}/update_change", skip_skipped=True)
+        left.plot(x, 100 * change, line(len(x)), ms=4, lw=1.5, color=f"C{i}", label=name)
+        x, touched = series(run, f"effect/{name}/tokens", skip_skipped=True)
+        right.plot(x, 100 * touched / valid[np.isin(x_all, x)], line(len(x)), ms=4, lw=1.5, color=f"C{i}", label=name)
+    left.axhline(5, color="k", lw=0.8, ls="--", label="5% of the gradient's norm")
+    left.set_yscale("symlog", linthresh=1)        # from 0 to the hundreds of % a clip makes far off-policy
+    every = setting(run, "effect_check_every")
+    checked = f" (every {ordinal(every)} step)" if every and every > 1 else ""
+    left.set(xlabel="RL step", ylabel="|g with − g without| / |g with|, %",
+             title="How much each mechanism changed the update" + checked)
+    right.set(xlabel="RL step", ylabel="% of completion tokens", title="Tokens whose gradient it changed")
+    legend_below(left_sub, left)
+    legend_below(right_sub, right)
+    return fig
+
+
 FIGURES = {"accuracy_reward.png": accuracy_and_reward, "entropy.png": entropy, "kl_mask.png": kl_mask,
-           "clip_fractions.png": clip_fractions, "entropy_change.png": entropy_change}
+           "clip_fractions.png": clip_fractions, "entropy_change.png": entropy_change, "mechanisms.png": mechanisms}
 
 
 def draw(plt, run: dict) -> dict:

@@ -77,14 +77,24 @@ def make_arithmetic_task(difficulty: int, n_train: int, n_test: int, seed: int, 
 # answer (copying the numbers, the arithmetic, `#### n`) is near-deterministic. The decision sits on one
 # token, the operator.
 HIDDEN_TYPES = {"add": "+", "mul": "*"}     # each type and the operator that solves it, the majority's first
+# The cue variant (--cue c): the item word tells the type, right on a share c of the problems. Six of the eight
+# items point to adding, two to multiplying, so that the majority's share is 0.75 c + 0.25 (1 - c) (0.70 at
+# c = 0.9): always adding still scores 0.70, but following the cue scores c. The questions and the warm-up's
+# demonstrations are those of the task without a cue (the same draws), so the start model is the same one:
+# it has never seen the cue pay.
+CUE_ITEMS = {"add": ITEMS[:6], "mul": ITEMS[6:]}
 
 
-def make_hidden_type_task(difficulty: int, n_train: int, n_test: int, seed: int, majority: float = 0.7):
+def make_hidden_type_task(difficulty: int, n_train: int, n_test: int, seed: int, majority: float = 0.7,
+                          cue: float = 0.0):
     """Problems of two hidden types, operands 2..difficulty. Columns: question, answer (the right worked
     answer: reward and evaluation use it), demonstration (what the warm-up imitates: the operator drawn
-    by a fair coin) and type ("add" on a share `majority` of the problems, "mul" on the others).
+    by a fair coin), type ("add" on a share `majority` of the problems, "mul" on the others) and cue (the
+    type the item word points to, CUE_ITEMS; only with a cue).
     Questions are unique and the test split shares none with the training split; all fixed by the seed.
-    Returning "+" on every problem scores `majority`, the ceiling of a policy that has collapsed onto it."""
+    Without a cue nothing tells the types apart: returning "+" on every problem scores `majority`, which is
+    then the best any policy can do. With cue c > 0 (`majority` is not read) the type is the cue's on a share c
+    of the problems: following the cue scores c, the best a policy can do."""
     import datasets
     rng = random.Random(f"hidden-type-{seed}-{difficulty}")
     combos = [(name, item, a, b) for name in NAMES for item in ITEMS
@@ -92,11 +102,16 @@ def make_hidden_type_task(difficulty: int, n_train: int, n_test: int, seed: int,
     rng.shuffle(combos)
     rows = []
     for name, item, a, b in combos[:n_train + n_test]:
-        kind = "add" if rng.random() < majority else "mul"
+        draw = rng.random()                     # one draw per problem with or without a cue: the same questions
+        pointed = "add" if item in CUE_ITEMS["add"] else "mul"
+        if cue:
+            kind = pointed if draw < cue else ("mul" if pointed == "add" else "add")
+        else:
+            kind = "add" if draw < majority else "mul"
         shown = rng.choice(list(HIDDEN_TYPES.values()))          # the warm-up's fair coin
         rows.append({"question": f"{name} has {a} {item}s and {b} {item}s. How many {item}s?",
                      "answer": worked_answer(a, HIDDEN_TYPES[kind], b), "demonstration": worked_answer(a, shown, b),
-                     "type": kind})
+                     "type": kind, **({"cue": pointed} if cue else {})})
     return datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[n_test:]),
                                  "test": datasets.Dataset.from_list(rows[:n_test])})
 
@@ -120,7 +135,8 @@ def task_seed(args) -> int:
 def load_task(args):
     """A DatasetDict with train/test splits of question/answer records, checked by validate_task."""
     if args.dataset is None and args.task == "hidden-type":
-        task = make_hidden_type_task(args.difficulty, args.n_train, args.n_test, task_seed(args), args.majority)
+        task = make_hidden_type_task(args.difficulty, args.n_train, args.n_test, task_seed(args), args.majority,
+                                     args.cue)
     elif args.dataset is None:
         task = make_arithmetic_task(args.difficulty, args.n_train, args.n_test, task_seed(args), args.ops,
                                     args.sft_noise)

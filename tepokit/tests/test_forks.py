@@ -5,10 +5,10 @@ import pytest
 import torch
 
 import tepo
-from tepokit.forks import (decision_mask, eval_by_type, rollout_fork_metrics, strategy_of, top_entropy_mean,
-                           valid_format)
+from tepokit.forks import (decision_mask, eval_by_type, rollout_fork_metrics, solved_by_either, strategy_of,
+                           top_entropy_mean, valid_format)
 from tepokit.stats import pass_at_k
-from tepokit.task import gold_answer, hidden_type_task_size, make_hidden_type_task, parse_strict
+from tepokit.task import CUE_ITEMS, gold_answer, hidden_type_task_size, make_hidden_type_task, parse_strict
 
 
 def test_hidden_type_task_has_the_majority_share_hidden_types_and_type_free_demonstrations():
@@ -93,3 +93,52 @@ def test_eval_by_type_splits_pass_at_k_and_accuracy():
     assert row["eval/format"] == pytest.approx(5 / 6)
     assert parse_strict(texts[0]) is not None
     assert set(tepo.__all__) >= {"entropy_bonus"}
+
+
+def test_problems_either_operator_solves_are_left_out_of_each_type_and_counted():
+    """2 and 2: 2+2 = 2*2, so a right answer there says nothing about the type chosen. With the answers given,
+    eval_by_type and rollout_fork_metrics leave such problems out of each type's results."""
+    answers = ["2*2=4\n#### 4", "3*2=6\n#### 6", "2+2=4\n#### 4", "3+4=7\n#### 7"]
+    types = ["mul", "mul", "add", "add"]
+    greedy = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    right = torch.tensor([[1.0, 1.0], [0.0, 0.0], [1.0, 0.0], [0.0, 1.0]])
+    texts = ["2+2=4\n#### 4"] * 2 + ["3+2=5\n#### 5"] * 2 + ["2+2=4\n#### 4"] * 2 + ["3+4=7\n#### 7"] * 2
+    row = eval_by_type(greedy, right, texts, types, pass_k=2, answers=answers)
+    assert row["eval/solved_by_either"] == 2
+    assert row["eval/accuracy/mul"] == 0.0 and row["eval/pass@2/mul"] == 0.0     # only 3 x 2 is counted
+    assert row["eval/accuracy/add"] == 0.0 and row["eval/mean@2/add"] == 0.5
+    kept = eval_by_type(greedy, right, texts, types, pass_k=2)                        # without answers: all four
+    assert kept["eval/accuracy/mul"] == 0.5 and kept["eval/solved_by_either"] == 0
+    mask, zeros = torch.ones(4, 14), torch.zeros(4, 14)
+    fork = rollout_fork_metrics([texts[i] for i in (0, 2, 4, 6)], types, zeros, zeros, torch.zeros(4), mask,
+                                torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, answers=answers)
+    assert fork["accuracy/mul"] == 0.0 and fork["accuracy/add"] == 1.0
+    assert solved_by_either("2*2=4\n#### 4") and not solved_by_either("3*3=9\n#### 9")
+    assert not solved_by_either("7-3=4\n#### 4")                                      # not a hidden-type answer
+
+
+def test_the_cue_variant_keeps_the_questions_and_demonstrations_and_its_cue_is_right_on_its_share():
+    """--cue 0.9: the same questions and warm-up demonstrations as the task without a cue (so the same start
+    model), the item word's type right on about 90% of the problems, the majority's share still about 0.70, and
+    a policy that follows the cue scores about 0.9 where always adding scores 0.7."""
+    plain = make_hidden_type_task(9, 4000, 500, seed=1, majority=0.7)
+    cued = make_hidden_type_task(9, 4000, 500, seed=1, majority=0.7, cue=0.9)
+    for split in ("train", "test"):
+        assert plain[split]["question"] == cued[split]["question"]
+        assert plain[split]["demonstration"] == cued[split]["demonstration"]
+    rows = list(cued["train"]) + list(cued["test"])
+    for r in rows:
+        item = r["question"].split()[3][:-1]                         # "Ann has 7 cups and ...": cup
+        assert r["cue"] == ("add" if item in CUE_ITEMS["add"] else "mul")
+        a, b = (int(x) for x in r["question"].split() if x.isdigit())
+        assert gold_answer(r["answer"]) == (a + b if r["type"] == "add" else a * b)
+    follows = sum(r["type"] == r["cue"] for r in rows) / len(rows)
+    adds = sum(r["type"] == "add" for r in rows) / len(rows)
+    assert abs(follows - 0.9) < 0.015 and abs(adds - 0.7) < 0.03      # 4,500 draws: 3 standard errors
+    assert "cue" not in plain["train"].column_names
+    texts = ["3+4=7", "3*4=12", "3*4=12", "3+4=7"]
+    row = rollout_fork_metrics(texts, ["add", "mul", "add", "mul"], torch.zeros(4, 8), torch.zeros(4, 8),
+                               torch.zeros(4), torch.ones(4, 8), torch.zeros(4), 2, cues=["add", "mul", "mul", "mul"])
+    assert row["forks/cue_share"] == 0.75
+    sampled = eval_by_type(torch.zeros(2), torch.zeros(2, 2), texts, ["add", "mul"], pass_k=2, cues=["add", "add"])
+    assert sampled["eval/cue_share"] == 0.5     # problem 0: + and * (cue add), problem 1: * and + (cue add)

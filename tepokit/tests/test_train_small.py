@@ -383,6 +383,18 @@ def test_hidden_type_task_logs_its_forks_and_summarises_the_collapse(workdir):
             assert key.split("_", 1)[1] in evaluated, key
 
 
+def test_the_cue_variant_logs_how_often_the_policy_follows_the_cue(workdir):
+    """--task hidden-type --cue 0.9: every step logs forks/cue_share, every evaluation eval/cue_share, both
+    shares in [0, 1]; and the problems 2 and 2 are counted apart."""
+    out = "runs/e2e_cue"
+    run_main([*MICRO, "--task", "hidden-type", "--cue", "0.9", "--difficulty", "3", "--n-train", "60",
+              "--objective", "grpo", "--steps", "2", "--pass-k", "2", "--out", out])
+    rows = read_rows(out)
+    assert all(0 <= r["forks/cue_share"] <= 1 for r in rows[1:])
+    assert all(0 <= r["eval/cue_share"] <= 1 and r["eval/solved_by_either"] >= 0 for r in (rows[0], rows[-1]))
+    assert json.load(open(os.path.join(out, "config.json")))["args"]["cue"] == 0.9
+
+
 def test_two_runs_of_one_command_started_together_write_the_same_rows(tmp_path):
     """The same command and seed, twice at once on the default threads (each run's two threads then compete
     with the other's for the machine): the same metrics.jsonl, timings aside. Thread timing changed the
