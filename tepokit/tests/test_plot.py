@@ -125,7 +125,9 @@ def synthetic_run(run_dir: Path, objective="tepo", steps=40, check_every=4, rewa
                     "dynamic_sampling/skipped": 0.0}
             row["clip_ratio/region_mean"] = row["clip_ratio/low_mean"] + row["clip_ratio/high_mean"]
             if step % check_every == 0:
-                row |= {"entropy_change/predicted": rng.uniform(-3e-3, 2e-3)}
+                row |= {"entropy_change/predicted": rng.uniform(-3e-3, 2e-3), "effect/tokens": 1000.0,
+                        **{f"effect/{m}/{k}": rng.uniform(0, 1) * (1000 if k == "tokens" else 1)
+                           for m in ("clip_low", "kl_mask") for k in ("update_change", "tokens")}}
                 row["entropy_change/measured"] = row["entropy_change/predicted"] * 0.8 + rng.uniform(-5e-4, 5e-4)
             if objective == "tepo":
                 row |= {"kl_mask/frac": rng.uniform(0.2, 0.5), "kl_mask/penalty": rng.uniform(1e-5, 8e-5)}
@@ -249,3 +251,26 @@ def test_a_grpo_run_with_entropy_checks_every_4th_step_gets_its_figures_and_one_
     assert sorted(p.name for p in (run_dir / "figures").iterdir()) == sorted(set(FIGURES) - {"kl_mask.png"})
     figures = drawn(run_dir)
     assert figures["entropy.png"][0].get_suptitle() == "grpo, seed 7, 40 of 80 steps, task arith"
+
+
+def test_the_mechanisms_figure_draws_each_mechanisms_change_and_tokens_in_percent(tmp_path, close_figures):
+    """mechanisms.png: one line per mechanism in each panel, at the checked steps, the change of the update and
+    the share of tokens it touched in %, with the 5% line; a run without effect/ metrics says why in one line."""
+    run_dir = synthetic_run(tmp_path / "run")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    figure, notes = drawn(run_dir)["mechanisms.png"]
+    change_ax, tokens_ax = figure.axes
+    checked = [r for r in rows if "effect/tokens" in r]
+    for ax, key, scale in ((change_ax, "update_change", 100.0), (tokens_ax, "tokens", 100.0 / 1000)):
+        lines = {line.get_label(): line for line in ax.get_lines() if not line.get_label().startswith("5%")}
+        assert set(lines) == {"clip_low", "kl_mask"}
+        for name, line in lines.items():
+            assert list(line.get_xdata()) == [r["step"] for r in checked]
+            assert np.allclose(line.get_ydata(), [scale * r[f"effect/{name}/{key}"] for r in checked])
+    assert any(line.get_label().startswith("5%") for line in change_ax.get_lines())
+    plain = tmp_path / "plain"
+    shutil.copytree(run_dir, plain)
+    (plain / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if not k.startswith("effect/")})
+                                                 + "\n" for r in rows))
+    note, _ = drawn(plain)["mechanisms.png"]
+    assert isinstance(note, str) and "effect/" in note
