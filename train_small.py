@@ -91,7 +91,7 @@ from tepokit.task import format_prompt, gold_answer, load_task, score_completion
 class Args:
     # --- run ---
     objective: str = "tepo"             # the RL objective; it picks the paper values of the objective settings below
-    regime: str = "standard"            # standard, or collapse: a learning rate at which held-out pass@k collapses
+    regime: str = "standard"            # standard; collapse (pass@k collapses); off-policy (16 optimizer steps a rollout)
     demo: bool = False                  # the two-minute classroom run (README)
     seed: int = 1                       # seeds python, torch and generation; the task too, unless --task-seed is set
     out: str | None = None              # run directory (default: runs/<task>__<objective>__<seed>__<time>)
