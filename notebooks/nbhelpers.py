@@ -57,7 +57,7 @@ def read_runs_from(run_dir: str | os.PathLike | None = None) -> None:
       <objective>__1; sections about other runs say that they are skipped;
     - or a directory of run directories named as notebooks/logs/ names them (the --out of a --compare:
       <objective>__<seed>; comparisons below it, under their names in logs/COMMANDS.md or their plain names:
-      standard/, collapse/, epochs4/, hidden_type/).
+      standard/, collapse/, epochs4/, hidden_type/, off_policy/, cue/).
     The figures of your runs go to <run_dir>/figures/, never to notebooks/figures/."""
     global LOGS, ONE_RUN, FIGURES
     run_dir = run_dir or os.environ.get("TEPO_NOTEBOOK_LOGS") or None
@@ -165,7 +165,8 @@ def describe(run: dict) -> str:
 # The committed comparisons, each in a directory named for its command or preset and the date of the code that made
 # it (the --out of its command in logs/COMMANDS.md). The notebooks ask for them by these plain names.
 COMPARISONS = {"standard": "standard_regime_2026-11-24", "collapse": "collapse_regime_2026-11-24",
-               "epochs4": "epochs4_2026-11-24", "hidden_type": "hidden_type_2026-11-25"}
+               "epochs4": "epochs4_2026-11-24", "hidden_type": "hidden_type_2026-11-25",
+               "off_policy": "hidden_type_off_policy_2026-11-26", "cue": "hidden_type_cue_2026-11-26"}
 
 
 def comparison_dir(name: str) -> Path:

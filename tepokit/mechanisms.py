@@ -14,13 +14,15 @@ they have little or nothing to do. This module measures it, every --effect-check
   effect/<mechanism>/update_cosine     cos(g_on, g_off)
   effect/tokens                        valid tokens measured (the denominator of the counts)
 
-g_on is the gradient of the objective, summed over the rollout's first-epoch mini-batches (each aggregated as
-the update aggregates it) with respect to every parameter; g_off the same with the mechanism switched off
-(MECHANISMS says how), everything else equal. It is a counterfactual on the same rows, parameters and old
-log-probs, taken where the RL step ends: at the parameters its optimizer steps made, that is the update a
-further optimizer step on this rollout would take. The drift from the old policy is then the largest any
-of the step's own optimizer steps saw (its first mini-batch saw none), so a mechanism that changes nothing
-here changed nothing in the step. The gradient is the loss's, before gradient clipping and Adam.
+g_on is the gradient of the objective with respect to every parameter on the rows of the step's last mini-batch
+(aggregated as the update aggregates it); g_off the same with the mechanism switched off (`mechanisms` says how),
+everything else equal. It is a counterfactual on the same rows, parameters and old log-probs, taken where the RL
+step ends: at the parameters its optimizer steps made, so it is the update one more optimizer step on those rows
+would take. The drift from the old policy is then the largest the step's own optimizer steps saw (its first
+mini-batch saw none): a mechanism that changes nothing here had nothing to act on in the step, and one that acts
+here acted on the step's later optimizer steps by about as much or less. The gradient is the loss's, before
+gradient clipping and Adam. It costs one forward over those rows and one backward for the objective and for each
+mechanism that changed some token's gradient.
 
 The update never knows it was measured: the measurement runs after it, takes its gradients with
 torch.autograd.grad (the parameters' .grad is untouched), and draws no random number from the run's
@@ -91,8 +93,8 @@ def token_gradients(objective, logp, old_logp, adv, mask, cfg, seed: int, **inpu
 def mechanism_effects(model, batch, old, adv: torch.Tensor, plan: list, objective_name: str,
                       cfg: tepo.ObjectiveConfig, args, seed: int, decisions: torch.Tensor | None = None) -> dict:
     """The effect/ metrics (module docstring) of this step, after its update. `batch` is the rollout, `old`
-    the OldPolicy, adv [B], `plan` the update's mini-batches (lists of micro-batch rows [b]), decisions [B, T]
-    1 at the decision tokens (the hidden-type task) or None. Nothing is measured without a plan."""
+    the OldPolicy, adv [B], `plan` the update's mini-batches (lists of micro-batch rows [b]; the last is measured),
+    decisions [B, T] 1 at the decision tokens (the hidden-type task) or None. Nothing is measured without a plan."""
     switches = mechanisms(objective_name, cfg)
     if not plan or not switches:
         return {}
@@ -104,40 +106,43 @@ def mechanism_effects(model, batch, old, adv: torch.Tensor, plan: list, objectiv
     counts = {f"{m}/{kind}": 0 for m in switches for kind in ("tokens", "tokens_rewarded", "tokens_decision")}
     n_valid = 0
     adv = adv.to(batch.completion_mask.device)
-    first_epoch = plan[:len(plan) // args.epochs]
-    for micro_batches in first_epoch:
-        rows = torch.cat(micro_batches)
-        mb_counts = dict(num_tokens=batch.completion_mask[rows].sum().item(), num_seqs=float(len(rows)))
-        for micro in micro_batches:
-            idx = micro.to(adv.device)
-            mask, tokens = batch.completion_mask[idx], batch.completion_ids[idx]         # [b, T]
-            with torch.enable_grad():
-                logits = completion_logits(model, batch, micro, args)                    # [b, T, V]
-                logp = token_logprobs(logits, tokens, args.temperature)                   # [b, T]
-            entropy = token_entropy(logits.detach(), args.temperature) if tepo.needs_entropy(objective_name, cfg) \
-                else None
-            inputs = dict(ref_logp=old.ref_logp[idx] if old.ref_logp is not None else None, entropy=entropy,
-                          old_entropy=old.entropy[idx] if entropy is not None else None, **mb_counts)
-            per_token = {"on": token_gradients(objective, logp, old.logp[idx], adv[idx], mask, cfg, seed, **inputs)}
-            for name, cfg_off in switches.items():
-                per_token[name] = token_gradients(objective, logp, old.logp[idx], adv[idx], mask, cfg_off, seed,
-                                                  **inputs)
-            valid = mask.bool()
-            n_valid += int(valid.sum())
-            scale = per_token["on"].abs().max().clamp(min=torch.finfo(per_token["on"].dtype).tiny)
-            for name in switches:
-                touched = valid & ((per_token[name] - per_token["on"]).abs() > 1e-6 * scale)     # [b, T]
-                counts[f"{name}/tokens"] += int(touched.sum())
-                counts[f"{name}/tokens_rewarded"] += int((touched & (adv[idx] > 0).unsqueeze(1)).sum())
-                if decisions is not None:
-                    counts[f"{name}/tokens_decision"] += int((touched & decisions[idx].bool()).sum())
-            for i, name in enumerate(names):     # the parameters' gradient: J^T (d loss / d log pi)
-                grads = torch.autograd.grad(logp, params, grad_outputs=per_token[name].to(logp.dtype),
-                                            retain_graph=i < len(names) - 1, allow_unused=True)
-                for acc, g in zip(total[name], grads):
+    micro_batches = plan[-1]                   # the rows of the step's last optimizer step
+    rows = torch.cat(micro_batches)
+    mb_counts = dict(num_tokens=batch.completion_mask[rows].sum().item(), num_seqs=float(len(rows)))
+    for micro in micro_batches:
+        idx = micro.to(adv.device)
+        mask, tokens = batch.completion_mask[idx], batch.completion_ids[idx]         # [b, T]
+        with torch.enable_grad():
+            logits = completion_logits(model, batch, micro, args)                    # [b, T, V]
+            logp = token_logprobs(logits, tokens, args.temperature)                   # [b, T]
+        entropy = token_entropy(logits.detach(), args.temperature) if tepo.needs_entropy(objective_name, cfg) \
+            else None
+        inputs = dict(ref_logp=old.ref_logp[idx] if old.ref_logp is not None else None, entropy=entropy,
+                      old_entropy=old.entropy[idx] if entropy is not None else None, **mb_counts)
+        per_token = {"on": token_gradients(objective, logp, old.logp[idx], adv[idx], mask, cfg, seed, **inputs)}
+        for name, cfg_off in switches.items():
+            per_token[name] = token_gradients(objective, logp, old.logp[idx], adv[idx], mask, cfg_off, seed,
+                                              **inputs)
+        valid = mask.bool()
+        n_valid += int(valid.sum())
+        scale = per_token["on"].abs().max().clamp(min=torch.finfo(per_token["on"].dtype).tiny)
+        for name in switches:
+            touched = valid & ((per_token[name] - per_token["on"]).abs() > 1e-6 * scale)     # [b, T]
+            counts[f"{name}/tokens"] += int(touched.sum())
+            counts[f"{name}/tokens_rewarded"] += int((touched & (adv[idx] > 0).unsqueeze(1)).sum())
+            if decisions is not None:
+                counts[f"{name}/tokens_decision"] += int((touched & decisions[idx].bool()).sum())
+        # the parameters' gradient, J^T (d loss / d log pi): one backward for the objective, and one for each
+        # mechanism that changed some token's gradient (the others have the objective's, exactly)
+        differ = ["on"] + [name for name in switches if not torch.equal(per_token[name], per_token["on"])]
+        for i, name in enumerate(differ):
+            grads = torch.autograd.grad(logp, params, grad_outputs=per_token[name].to(logp.dtype),
+                                        retain_graph=i < len(differ) - 1, allow_unused=True)
+            for name_added in [name] + ([n for n in names if n not in differ] if name == "on" else []):
+                for acc, g in zip(total[name_added], grads):
                     if g is not None:
                         acc += g.to(acc.dtype)
-            del logits, logp
+        del logits, logp
     g_on = torch.cat([g.flatten() for g in total["on"]]).double()        # float64: a cosine of 1 reads 1
     out = {"effect/tokens": float(n_valid)}
     for name in switches:
