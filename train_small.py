@@ -91,7 +91,7 @@ from tepokit.task import format_prompt, gold_answer, load_task, score_completion
 class Args:
     # --- run ---
     objective: str = "tepo"             # the RL objective; it picks the paper values of the objective settings below
-    regime: str = "standard"            # standard; collapse (pass@k collapses); off-policy (16 optimizer steps a rollout)
+    regime: str = "standard"            # standard; collapse (pass@k collapses); off-policy (16 updates per rollout)
     demo: bool = False                  # the two-minute classroom run (README)
     seed: int = 1                       # seeds python, torch and generation; the task too, unless --task-seed is set
     out: str | None = None              # run directory (default: runs/<task>__<objective>__<seed>__<time>)
@@ -151,7 +151,7 @@ class Args:
     pass_k_problems: int = 200          # held-out problems used for pass@k and mean@k
     entropy_check_rows: int = 64        # completions used for the predicted-vs-measured entropy check
     entropy_check_every: int = 4        # run the entropy check every N steps (it costs one extra forward)
-    effect_check_every: int = 4         # measure each mechanism's effect every N steps (a forward, backwards); 0: never
+    effect_check_every: int | None = None  # mechanisms' effect on the update every N steps (unset: 4; 0 with --model)
     check_sampling_logprobs: bool = True  # with recomputed old log-probs: compare the sampler's with them
     report_to: str = "none"             # live curves: none, tensorboard, trackio, wandb, or a list (tepokit/report.py)
     target_accuracy: float = 0.40       # --compare: steps needed to reach this held-out accuracy

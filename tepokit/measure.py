@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from tepokit.entropy_check import NO_ENTROPY_CHANGE, entropy_check
 from tepokit.forks import decision_mask, rollout_fork_metrics
-from tepokit.mechanisms import mechanism_effects
+from tepokit.mechanisms import effect_check_interval, mechanism_effects
 
 
 def measure_step(run, step: int, batch, old, adv, plan: list, texts: list[str], records, correct,
@@ -31,7 +31,8 @@ def measure_step(run, step: int, batch, old, adv, plan: list, texts: list[str], 
     else:                  # a step without an update changed nothing; otherwise the check skipped this step
         row = dict(NO_ENTROPY_CHANGE) if not plan else {}
     one_token_per_character = args.model is None      # the built-in tokenizer: decisions are read from the text
-    if plan and args.effect_check_every and step % args.effect_check_every == 0:
+    every = effect_check_interval(args)
+    if plan and every and step % every == 0:
         decisions = (decision_mask(texts, batch.completion_mask.shape, batch.completion_mask.device)
                      if types is not None and one_token_per_character else None)                    # [B, T]
         row |= mechanism_effects(run.model, batch, old, adv, plan, args.objective, run.cfg, args, step, decisions)

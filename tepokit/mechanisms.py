@@ -46,6 +46,16 @@ CLIPPING = ("ppo", "grpo", "dapo", "dr_grpo", "clip_cov", "gspo", "gspo_token", 
 REFERENCE_KL = ("ppo", "grpo", "dapo", "dr_grpo", "clip_cov", "gspo", "gspo_token", "mpo")
 
 
+def effect_check_interval(args) -> int:
+    """Every how many steps the effects are measured (0: never): --effect-check-every, or when unset 4 on the
+    built-in model and never with --model. On a real model the measurement is not free: besides its forward and
+    backward passes it holds one gradient-sized buffer for the objective and one for each mechanism (4 x 2 GB
+    for TEPO on Qwen2.5-0.5B in fp32), which the memory plan does not count; ask for it with the flag."""
+    if args.effect_check_every is not None:
+        return args.effect_check_every
+    return 0 if args.model else 4
+
+
 def mechanisms(objective: str, cfg: tepo.ObjectiveConfig) -> dict[str, tepo.ObjectiveConfig]:
     """Each mechanism of this objective and the config with it switched off (all else equal). Every mechanism
     the objective has is listed, also where its settings already switch it off (then it changes nothing).

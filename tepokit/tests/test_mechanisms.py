@@ -8,7 +8,7 @@ import torch
 
 import tepo
 import train_small as ts
-from tepokit.mechanisms import OFF, mechanism_effects, mechanisms
+from tepokit.mechanisms import OFF, effect_check_interval, mechanism_effects, mechanisms
 from tepokit.tests.helpers import F64, MICRO, hand_batch, micro_run, read_rows, run_main, without_timing
 from tepokit.tests.test_train_small import float64_gpt2
 
@@ -116,6 +116,13 @@ def test_update_change_is_the_relative_distance_of_two_backward_passes(objective
                                                                           rel=1e-9)
     assert effects[f"effect/{mechanism}/update_cosine"] == pytest.approx(
         torch.nn.functional.cosine_similarity(g_on, g_off, dim=0).item(), rel=1e-9)
+
+
+def test_the_effects_are_measured_every_4th_step_on_the_built_in_model_and_only_when_asked_with_a_model():
+    assert effect_check_interval(ts.Args()) == 4
+    assert effect_check_interval(ts.Args(model="Qwen/Qwen2.5-0.5B-Instruct")) == 0
+    assert effect_check_interval(ts.Args(model="gpt2", effect_check_every=8)) == 8
+    assert effect_check_interval(ts.Args(effect_check_every=0)) == 0
 
 
 def test_the_table_switches_off_one_setting_and_lists_every_objectives_mechanisms():
