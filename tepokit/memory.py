@@ -13,7 +13,7 @@ from tepokit.errors import fail
 from tepokit.forward import LOGITS_CHUNK_BYTES, rows_per_forward
 from tepokit.hub import cannot_load, use_offline_hub_if_unreachable
 from tepokit.model import builtin_tokenizer, tiny_model_config
-from tepokit.sampling import sampler_logprobs_wanted, stacked_logits_bytes
+from tepokit.sampling import recompute_old_logprobs, sampler_logprobs_wanted, uses_loop
 from tepokit.task import load_task
 
 def reset_peak_memory(device) -> None:
@@ -44,13 +44,31 @@ def process_memory_mb(field: str = "VmRSS") -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak, KiB on Linux
 
 
-# An estimate, by part, of the peak memory of a run, made from the model's config before any weight
-# is loaded. The parts that do not depend on the rollout size are the model's: weights, gradients
-# and Adam's two moments in float32 (16 bytes per parameter), and a float32 reference model when the
-# objective needs one. The rest is per forward pass (--micro-batch-size rows): the activations kept
-# for the backward, and the logits [b, T, V], which dominate with a large vocabulary (151,936 for
-# Qwen2.5: 0.6 MB per position in float32). Generation's KV cache grows with the rollout. On the CPU
-# the plan counts what the run adds to the process, not the ~0.5 GB that torch and transformers take.
+# The memory plan: an upper bound, made from the model's config before any weight is loaded, of the bytes
+# of live tensors at each phase of an RL step, counted as CUDA's caching allocator counts them
+# (torch.cuda.max_memory_allocated). The model's state lives through every phase of a long run: fp32
+# weights, their gradients (kept from one step's last optimizer step to the next step's first), Adam's two
+# moments, and a fp32 reference model when the objective needs one. Each phase adds its own tensors:
+#   generation     the rollout: the prompts' prefill (every prompt token through the MLP at once), then
+#                  one token at a time over a growing KV cache, the sampler's [B, V] temporaries, and
+#                  generate's stacked logits [B, T, V] when its log-probs are wanted
+#   evaluation     greedy decoding of a rollout's worth of rows, one row per prompt
+#   old log-probs  no-grad forwards of one micro-batch: the reference model's, the policy's (recomputed
+#                  old log-probs) and, in bf16, the fp32 forward of precision_noise_floor
+#   update         one micro-batch's forward and backward (activations, logits, their gradient, the lm_head
+#                  weight's gradient), then Adam's foreach step
+#   entropy check  the logits before and after the update at the checked positions, and one forward
+# Under bf16 autocast every phase that runs a forward keeps bf16 copies of the weights (2 bytes per
+# parameter) from the forward through its backward. On the CPU the plan counts what the run adds to the
+# process, not the ~0.5 GB that torch and transformers take. tepokit/tests/test_memory_plan.py holds it
+# against the live tensor bytes counted at each phase of real runs.
+
+PHASES = ("generation", "evaluation", "old log-probs", "update", "entropy check")
+# What the parts do not list, as a share of the rest: tensors of a few MB or less (the rollout's ids and
+# masks, norms' statistics), kernels' workspaces (cuBLAS, attention) and the allocator's rounding. The parts
+# alone came within 1% of the peak at the GPU measurement's four runs, once 1% below it.
+UNLISTED = 0.05
+
 
 def model_config_for_plan(args, task):
     """The config of the model the run will train (built-in: made here, nothing is trained yet)."""
@@ -65,62 +83,171 @@ def model_config_for_plan(args, task):
                     "give a local model directory, or run without --model for the built-in tiny model")
 
 
-def memory_plan(args, config, needs_ref: bool) -> dict:
-    """Estimated bytes by part, and the peak: the model's parts plus the larger of the two phases
-    (generation, update), which never overlap."""
+def model_shape(config) -> dict:
+    """The sizes the plan needs, from a transformers config (GPT-2's and Llama/Qwen2's names alike)."""
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):                            # shapes only: no memory, no weights
         meta_model = AutoModelForCausalLM.from_config(config)
-    n_params = sum(p.numel() for p in meta_model.parameters())
-    H, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
-    heads = config.num_attention_heads
-    kv_dim = getattr(config, "num_key_value_heads", None) or heads
-    kv_dim = kv_dim * H // heads
-    inner = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * H
-    b = rows_per_forward(args)                            # rows per forward and backward
-    rollout = args.prompts_per_step * args.group_size     # rows generated at once (evaluation too)
-    S = args.max_prompt_tokens + args.max_new_tokens      # longest sequence
-    T = args.max_new_tokens
-    act = 2 if args.precision == "bf16" else 4            # bytes of an activation or a logit
-    # Per token and layer, what a transformer layer keeps for its backward: norms, q/k/v, the
-    # attention output and its weights, the residuals and the MLP's hidden layers.
-    per_layer_token = (7 * H + 2 * kv_dim + heads * S + 4 * inner) * act
-    # Tokens of one forward: every row's prompt and completion under gradient checkpointing; otherwise
-    # each distinct prompt once (forward.completion_logits; a micro-batch that splits groups meets one
-    # more) and every row's completion.
-    prompts = min(b, math.ceil(b / args.group_size) + (b % args.group_size != 0))
-    tokens = b * S if args.gradient_checkpointing else prompts * args.max_prompt_tokens + b * T
-    layer_inputs = L * tokens * H * 4                     # what gradient checkpointing keeps
-    one_layer = tokens * per_layer_token
-    logits = b * (T + 1) * V * act                        # one forward's logits [b, T + 1, V]
-    chunk = min(LOGITS_CHUNK_BYTES, b * (T + 1) * V * 4)  # one chunk of float32 softmax temporaries
-    check = min(checked_rows(args) * T, ENTROPY_CHECK_MAX_POSITIONS) * V * act   # the check's kept logits
-    plan = {
-        "weights (fp32)": 4 * n_params,
-        "gradients (fp32)": 4 * n_params,
-        "Adam moments (fp32)": 8 * n_params,
-        "reference model (fp32)": 4 * n_params if needs_ref else 0,
-        "activations, one micro-batch": layer_inputs + one_layer if args.gradient_checkpointing else L * one_layer,
-        # the logits and their gradient, softmax temporaries chunk by chunk, and under gradient checkpointing
-        # the gradient of the slice [:, :-1] taken of them (forward.completion_logits)
-        "logits, one micro-batch": (3 if args.gradient_checkpointing else 2) * logits + 4 * chunk,
-        "entropy check (logits before)": check,
-        "generation KV cache": 2 * L * rollout * S * kv_dim * act,
-        # the fused sample step's float32 temporaries [B, V]; generate's stacked logits [B, T, V] if the
-        # log-probs are taken from it (tepokit/sampling.py)
-        "generation logits": rollout * V * 4 * 3 + (stacked_logits_bytes(args, config)
-                                                    if sampler_logprobs_wanted(args, config) else 0),
-    }
-    # The update's peak: its micro-batch (activations and logits) while the entropy check's "before"
-    # logits wait; or the entropy check itself: before and after, one forward's logits, temporaries.
-    update = max(plan["activations, one micro-batch"] + plan["logits, one micro-batch"] + check,
-                 2 * check + logits + 6 * chunk)
-    generation = plan["generation KV cache"] + plan["generation logits"]
-    model = sum(plan[k] for k in ("weights (fp32)", "gradients (fp32)", "Adam moments (fp32)",
-                                  "reference model (fp32)"))
-    return {"parts": plan, "n_params": n_params, "peak": model + max(update, generation),
-            "phase": "update" if update >= generation else "generation",
+    H, heads = config.hidden_size, config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return {"n_params": sum(p.numel() for p in meta_model.parameters()), "H": H, "L": config.num_hidden_layers,
+            "V": config.vocab_size, "kv": kv_heads * (H // heads),            # width of the keys (and values)
+            "I": getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * H,
+            # a gated MLP (Llama, Qwen2: gate, up, their product) and RMSNorm, or GPT-2's (fc, gelu) and LayerNorm
+            "gated": config.model_type != "gpt2",
+            "tied": bool(getattr(config, "tie_word_embeddings", True)),
             "supports_gradient_checkpointing": meta_model.supports_gradient_checkpointing}
+
+
+def memory_plan(args, config, needs_ref: bool) -> dict:
+    """Estimated bytes of the model's state (parts) and of each phase (PHASES) of an RL step, and the peak:
+    the model's state plus the phase that adds the most. A phase is as large as its largest moment; phases
+    gives, per phase, that moment's name and its parts (bytes), totals their sums."""
+    m = model_shape(config)
+    N, H, L, V, kv, inner = m["n_params"], m["H"], m["L"], m["V"], m["kv"], m["I"]
+    a = 2 if args.precision == "bf16" else 4             # bytes of a linear layer's output (bf16 under autocast)
+    k = 4 + a                                             # a key and a value: RoPE's fp32 cos/sin keep keys fp32
+    b = rows_per_forward(args)                            # rows per forward and backward
+    R = args.prompts_per_step * args.group_size          # rows of a rollout
+    P, T = args.max_prompt_tokens, args.max_new_tokens
+    S = P + T                                             # longest sequence
+    ckpt = args.gradient_checkpointing
+    loop = uses_loop(args, config)
+    recompute = recompute_old_logprobs(args, config)
+    rows_checked = checked_rows(args) if args.entropy_check_every <= args.steps else 0
+    n_checked = min(rows_checked * T, ENTROPY_CHECK_MAX_POSITIONS)        # positions the entropy check keeps
+    copies = {"bf16 weight copies (autocast)": 2 * N if args.precision == "bf16" else 0}
+    mlp = (3 if m["gated"] else 2) * inner * a           # a no-grad MLP's live outputs, per token
+    # the logits the entropy check keeps from before the update ([n, V]), and with the sampler's old log-probs
+    # the sampler's logits of the checked rows ([c, T, V]), which the rollout holds until the step ends
+    before = {"entropy check: logits before": n_checked * V * a + (0 if recompute else rows_checked * T * V * a)}
+
+    def chunks(positions: int, n: int, nbytes: int = 4) -> int:
+        """n float32 temporaries of one chunk of the logits (forward.LOGITS_CHUNK_BYTES) over `positions`."""
+        return n * min(LOGITS_CHUNK_BYTES, positions * V * nbytes)
+
+    def rollout(prompts: int, group: int, stacked: bool, kept: bool) -> list:
+        """The moments of generating `group` completions of `prompts` prompts (tepokit/sampling.py)."""
+        rows = prompts * group
+        kept_logits = {"sampler's logits of the checked rows": rows_checked * T * V * (a if loop else 4) if kept
+                       else 0}
+        if loop:     # sample_gpt2: fp32 keys and values of each prompt once, the completions' in one buffer
+            prompt_cache = {"prompts' keys and values": 2 * L * prompts * P * H * 4}
+            # a layer's queries, keys and values, its MLP, the residual stream, a norm's and the attention's
+            # outputs, and the prompts' causal mask
+            return [("prefill", {**prompt_cache, **copies, "prefill: one layer": prompts * P * (3 * H * a + mlp
+                                                                                               + 3 * H * 4 + P)}),
+                    ("decoding", {**prompt_cache, **copies, **kept_logits,
+                                  "completions' keys and values": 2 * L * rows * T * H * 4,
+                                  "sampling step (float32 [B, V])": rows * V * (a + 7 * 4)})]
+        cache = {"KV cache": L * rows * S * kv * k}
+        moments = [("prefill", {"KV cache": L * rows * P * kv * k, **copies,
+                                "prefill: one layer": rows * P * (mlp + 3 * H * 4 + P) + rows * V * a}),
+                   # a layer's cache grows by a copy; its keys and values repeated for the attention (GQA)
+                   ("decoding", {**cache, **copies, "one layer's cache copy, repeated keys and values":
+                                 2 * rows * S * (kv * k + H * a),
+                                 "sampling step (float32 [B, V])": rows * V * (a + 3 * 4),
+                                 "stacked logits": rows * T * V * 4 if stacked else 0})]
+        if stacked:  # generate's result keeps its cache while the log-probs are read from the stacked logits
+            moments.append(("log-probs of the stacked logits", {**cache, **kept_logits, "stacked logits":
+                            rows * T * V * 4, "log-softmax temporaries": 3 * rows * V * 4}))
+        return moments
+
+    def forward(rows: int, nbytes: int) -> list:
+        """The moments of a no-grad completion_logits on `rows` rows (each distinct prompt once, its keys and
+        values copied to its rows, then the completions; under checkpointing each row's whole sequence), then
+        its log-probs and entropy chunk by chunk. nbytes: of the logits and linear outputs."""
+        logits = rows * (T + 1) * V * nbytes
+        if ckpt:
+            return [("forward", {"one layer": rows * S * (mlp * nbytes // a + 3 * H * 4) + rows * S * S,
+                                 "logits": logits}),
+                    ("log-probs", {"logits and a contiguous copy": 2 * logits, "chunk temporaries":
+                                   chunks(rows * T, 4)})]
+        cache = L * rows * S * kv * (4 + nbytes)
+        return [("forward", {"KV cache": cache, "one layer": rows * T * (mlp * nbytes // a + 3 * H * 4)
+                             + 2 * rows * S * (kv * (4 + nbytes) + H * nbytes) + rows * T * S}),
+                ("logits", {"KV cache": cache, "logits (two pieces and their concatenation)": 2 * logits}),
+                ("log-probs", {"logits": logits, "chunk temporaries": chunks(rows * T, 4)})]
+
+    # What one layer keeps for the backward, per token: the residual stream and the norms (fp32), the
+    # attention's queries, output and its copy, the MLP's outputs; per row, the (repeated) keys and values.
+    per_token = (6 if m["gated"] else 4) * H * 4 + 4 * H * a + (4 if m["gated"] else 2) * inner * a
+
+    def layer(tokens: int, rows: int) -> int:
+        return tokens * per_token + 2 * rows * S * H * a
+
+    def update() -> list:
+        logits = b * (T + 1) * V * a
+        lm_head_grad = V * H * (4 + (2 if args.precision == "bf16" else 0))
+        common = {**copies, **before}
+        # each distinct prompt of the micro-batch once (a micro-batch that splits groups meets one more)
+        prompts = min(b, math.ceil(b / args.group_size) + (b % args.group_size != 0))
+        # the embedding's weight gradient [V, H]; with tied weights (lm_head is the embedding) also lm_head's,
+        # held until the embedding's arrives, and their sum. Without checkpointing the prompts' forward came
+        # first, so its backward comes last: its activations and the logits' gradient wait for it.
+        embedding_backward = ("backward through the embedding", {
+            **before, "embedding weight gradients": V * H * 4 * (3 if m["tied"] else 1),
+            "prompts' activations, gradient of the logits": 0 if ckpt else L * prompts * P * per_token + b * T * V * a})
+        if ckpt:     # the layers' inputs; the logits [b, T+1, V] with a contiguous copy of [:, :-1]
+            inputs = {"layer inputs (checkpoints)": L * b * S * H * 4}
+            return [("backward through the log-probs", {**common, **inputs, "logits, copy, gradient": 3 * logits,
+                                                        "chunk temporaries": chunks(b * T, 3)}),
+                    ("backward through lm_head", {**common, **inputs, "gradient of the logits and of their slice":
+                                                  2 * logits, "lm_head weight gradient": lm_head_grad}),
+                    ("backward through a layer", {**common, **inputs, "one layer recomputed, its gradients":
+                                                  2 * layer(b * S, b)}),
+                    embedding_backward, ("Adam's step", {**before, "foreach temporaries": 4 * N})]
+        acts = {"activations": L * layer(b * T, b) + L * prompts * P * per_token}
+        return [("forward", {**common, **acts, "KV cache": L * b * S * kv * k, "logits": 2 * logits}),
+                ("backward through the log-probs", {**common, **acts, "logits and their gradient": 2 * logits,
+                                                    "chunk temporaries": chunks(b * T, 3)}),
+                # the gradient of the slice [:, 1:] is copied to be contiguous for lm_head's backward
+                ("backward through lm_head", {**common, **acts, "gradient of the logits and a copy": 2 * logits,
+                                              "lm_head weight gradient": lm_head_grad}),
+                embedding_backward, ("Adam's step", {**before, "foreach temporaries": 4 * N})]
+
+    def old_logprobs() -> list:
+        moments = [(f"{name}: {moment}", {**copies, **parts}) for name in ("reference model", "policy")
+                   if name == "policy" and recompute or name == "reference model" and needs_ref
+                   for moment, parts in forward(b, a)]
+        # the checked positions' logits: a copy of the forward's checked rows, then of their positions
+        capture = min(b, rows_checked) * T * V * a + n_checked * V * a
+        moments += [("entropy check's logits before", {**before, "capture copies": capture,
+                                                       "one forward's logits": b * (T + 1) * V * a if recompute
+                                                       else 0})]
+        if args.precision == "bf16":          # precision_noise_floor: one micro-batch in fp32
+            moments += [(f"fp32 forward (bf16 noise floor): {moment}", {**before, **parts})
+                        for moment, parts in forward(b, 4)]
+        return moments
+
+    def entropy_check() -> list:
+        if not rows_checked:
+            return [("not run", {})]
+        rows = min(b, rows_checked)
+        after = {"logits before and after": 2 * n_checked * V * a + (0 if recompute else rows_checked * T * V * a)}
+        return ([(f"its forward: {moment}", {**copies, **after, **parts}) for moment, parts in forward(rows, a)]
+                + [("copies of the checked positions", {**copies, **after, "one forward's logits and two copies":
+                                                        rows * T * V * a * 3}),
+                   ("predicted and measured change", {**after, "chunk temporaries": 8 * min(
+                       LOGITS_CHUNK_BYTES, n_checked * V * 4)})])
+
+    eval_rows = min(args.n_test, R)
+    pass_k_prompts = min(args.pass_k_problems, args.n_test, max(1, R // args.pass_k))
+    moments = {"generation": rollout(args.prompts_per_step, args.group_size,
+                                     stacked=not loop and sampler_logprobs_wanted(args, config),
+                                     kept=not recompute and rows_checked > 0),
+               "evaluation": rollout(eval_rows, 1, False, False) + rollout(pass_k_prompts, args.pass_k, False, False),
+               "old log-probs": old_logprobs(), "update": update(), "entropy check": entropy_check()}
+    phases = {phase: max(found, key=lambda moment: sum(moment[1].values())) for phase, found in moments.items()}
+    phases = {phase: (moment, {part: n for part, n in parts.items() if n}) for phase, (moment, parts) in phases.items()}
+    totals = {phase: sum(parts.values()) for phase, (_, parts) in phases.items()}
+    parts = {"weights (fp32)": 4 * N, "gradients (fp32)": 4 * N, "Adam moments (fp32)": 8 * N,
+             "reference model (fp32)": 4 * N if needs_ref else 0}
+    phase = max(totals, key=totals.get)
+    listed = sum(parts.values()) + totals[phase]
+    return {"parts": parts, "phases": phases, "totals": totals, "n_params": N, "unlisted": UNLISTED * listed,
+            "peak": (1 + UNLISTED) * listed, "phase": phase,
+            "supports_gradient_checkpointing": m["supports_gradient_checkpointing"]}
 
 
 def device_memory(device) -> int:
@@ -134,16 +261,24 @@ def device_memory(device) -> int:
 
 
 def print_memory_plan(plan: dict, capacity: int, device, in_full: bool) -> None:
-    """The plan part by part (in_full), or its peak in one line."""
+    """The plan: the model's state, each phase, the parts of the phase that peaks (in_full); or its peak in one line."""
     gib, where = 2**30, "on the GPU" if device.type == "cuda" else "available on this machine"
     if not in_full:
-        print(f"memory plan: estimated peak {plan['peak'] / gib:.2f} GiB of {capacity / gib:.1f} GiB {where} "
-              f"({plan['n_params'] / 1e6:.1f}M parameters; --dry-run shows each part)", flush=True)
+        print(f"memory plan: estimated peak {plan['peak'] / gib:.2f} GiB ({plan['phase']}) of {capacity / gib:.1f} GiB "
+              f"{where} ({plan['n_params'] / 1e6:.1f}M parameters; --dry-run shows each part)", flush=True)
         return
-    print(f"memory plan (estimate; {plan['n_params'] / 1e6:.1f}M parameters):")
+    print(f"memory plan (an upper bound; {plan['n_params'] / 1e6:.1f}M parameters):")
     for part, nbytes in plan["parts"].items():
-        print(f"  {part:<32} {nbytes / gib:8.2f} GiB")
-    print(f"  {'estimated peak (' + plan['phase'] + ')':<32} {plan['peak'] / gib:8.2f} GiB of {capacity / gib:.1f} GiB "
+        print(f"  {part:<40} {nbytes / gib:8.2f} GiB")
+    print("  each phase adds, at its largest moment:")
+    for phase, total in plan["totals"].items():
+        moment, parts = plan["phases"][phase]
+        print(f"    {phase:<38} {total / gib:8.2f} GiB   {moment}")
+        if phase == plan["phase"]:
+            for part, nbytes in parts.items():
+                print(f"      {part:<36} {nbytes / gib:8.2f} GiB")
+    print(f"  {'unlisted: small tensors, workspaces (5%)':<40} {plan['unlisted'] / gib:8.2f} GiB")
+    print(f"  {'estimated peak (' + plan['phase'] + ')':<40} {plan['peak'] / gib:8.2f} GiB of {capacity / gib:.1f} GiB "
           f"{where}", flush=True)
 
 
