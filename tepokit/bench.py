@@ -18,6 +18,7 @@ import tepo
 from tepokit.cli import command_line, flag_and_value, objective_config
 from tepokit.errors import fail
 from tepokit.forward import rows_per_forward, rows_per_minibatch
+from tepokit.memory import peak_memory_mb, reset_peak_memory
 from tepokit.model import pick_device, prepare_start_model
 from tepokit.rundir import read_log, save_pretrained_atomically, write_json
 from tepokit.stop import Stopped
@@ -25,6 +26,9 @@ from tepokit.task import format_prompt, gold_answer, load_task, parse_strict
 
 # --bench's FLOP-counting run sets this to an active torch.utils.flop_counter.FlopCounterMode.
 FLOP_COUNTER = None
+# --check-memory-on-device (tepokit/memory.py) sets this to the run's device: each lap then logs the peak
+# memory of its phase (memory/peak_mb/<phase>) and starts the count afresh.
+PEAK_DEVICE = None
 
 
 def wait_for_the_gpu() -> None:
@@ -41,9 +45,11 @@ class PhaseClock:
 
     def __init__(self):
         wait_for_the_gpu()
+        if PEAK_DEVICE is not None:       # what came before the step (an evaluation) is not its phases'
+            reset_peak_memory(PEAK_DEVICE)
         self.start = self.last = time.time()
         self.flops = self.flops_total()
-        self.seconds, self.counted = {}, {}
+        self.seconds, self.counted, self.peaks = {}, {}, {}
 
     @staticmethod
     def flops_total() -> int:
@@ -54,13 +60,17 @@ class PhaseClock:
         now, flops = time.time(), self.flops_total()
         self.seconds[name], self.counted[name] = now - self.last, flops - self.flops
         self.last, self.flops = now, flops
+        if PEAK_DEVICE is not None:
+            self.peaks[name] = peak_memory_mb(PEAK_DEVICE)
+            reset_peak_memory(PEAK_DEVICE)
 
     def total(self) -> float:
         return self.last - self.start
 
     def row(self) -> dict:
         flops = {f"flops/{k}": v for k, v in self.counted.items()} if FLOP_COUNTER is not None else {}
-        return {**{f"timing/{k}": v for k, v in self.seconds.items()}, "step_time": self.total(), **flops}
+        return {**{f"timing/{k}": v for k, v in self.seconds.items()}, "step_time": self.total(), **flops,
+                **{f"memory/peak_mb/{k}": v for k, v in self.peaks.items()}}
 
 
 PHASES = ("generate", "reward", "old_logprobs", "update")    # what the bench times (its entropy check is off)
@@ -77,7 +87,11 @@ def benchmark(args, obj_overrides: dict, train) -> None:
     mini-batches, micro-batches, epochs, learning rate, precision and checkpointing (bench_trl_config), and
     every row trained: DAPO's dynamic sampling, which drops the groups whose rewards are all equal, is
     turned off on our side (TRL's GRPOTrainer has no such filter). A reference model on both sides when
-    the objective needs one (TRL's beta). What still differs is printed with the result."""
+    the objective needs one (TRL's beta). What still differs is printed with the result.
+    With --check-memory-on-device it measures memory instead (tepokit/memory.py, check_memory_on_device)."""
+    if args.check_memory_on_device:      # the memory plan against worst-case steps: memory's bench
+        from tepokit.memory import check_memory_on_device
+        return check_memory_on_device(args, obj_overrides, train)
     try:
         import trl  # noqa: F401
     except ImportError:

@@ -282,17 +282,124 @@ def print_memory_plan(plan: dict, capacity: int, device, in_full: bool) -> None:
           f"{where}", flush=True)
 
 
-def check_memory(args, task, device, needs_ref: bool) -> dict:
-    """Print the plan; refuse, in one line, a run that would not fit (unless --force)."""
+def check_memory(args, task, device, needs_ref: bool, in_full: bool = False) -> dict:
+    """Print the plan (part by part if in_full); refuse, in one line, a run that would not fit (unless --force)."""
     plan = memory_plan(args, model_config_for_plan(args, task), needs_ref)
     if args.gradient_checkpointing and not plan["supports_gradient_checkpointing"]:
         fail(f"argument --gradient-checkpointing: model {args.model!r} does not support gradient checkpointing; "
              f"run without --gradient-checkpointing")
     capacity = device_memory(device)
     # In full when asked for (--dry-run) or when it matters: on a GPU, or when the run would not fit.
-    print_memory_plan(plan, capacity, device, in_full=args.dry_run or device.type == "cuda" or plan["peak"] > capacity)
+    print_memory_plan(plan, capacity, device,
+                      in_full=in_full or args.dry_run or device.type == "cuda" or plan["peak"] > capacity)
     if plan["peak"] > capacity and not args.force and not args.dry_run:
         fail(f"the estimated peak memory {plan['peak'] / 2**30:.1f} GiB exceeds the {capacity / 2**30:.1f} GiB "
              f"of the device; lower --micro-batch-size, --max-new-tokens or --prompts-per-step, add "
              f"--gradient-checkpointing or --precision bf16, or pass --force to try anyway")
     return plan
+
+
+# --check-memory-on-device: the plan of a run, then its worst case on the device, measured. Each phase's plan is
+# the model's state plus the phase and the unlisted share, as the peak is.
+LAP_PHASES = {"generation": ("generate", "reward"), "old log-probs": ("old_logprobs",), "update": ("update",),
+              "entropy check": ("entropy_check",)}
+
+
+def check_memory_on_device(args, obj_overrides: dict, train) -> dict:
+    """The plan, then two RL steps at the plan's worst case on this device: every prompt cut to
+    --max-prompt-tokens (the run's training questions, repeated until they are that long), every completion
+    --max-new-tokens long (the end tokens are switched off), every row trained (no dynamic sampling), the
+    entropy check on both steps if the run makes it, and an evaluation of a rollout's worth of problems at the
+    end; the second step runs with the gradients and Adam's moments of the first. Prints each phase's
+    measured peak (torch.cuda.max_memory_allocated on a GPU; on the CPU resident memory above the process's
+    start, which also holds freed blocks) beside its plan, and writes memory_check.json. `train` is
+    train_small.py's run (passed in: the package does not import the script)."""
+    import dataclasses
+    import time
+    from tepokit import bench, sampling
+    from tepokit.bench import quiet
+    from tepokit.cli import objective_config
+    from tepokit.model import pick_device
+    from tepokit.rundir import read_log, write_json
+    import tepo
+    if args.compare or args.resume or args.dry_run:
+        fail("argument --check-memory-on-device: a mode of its own; run it without --compare, --resume and --dry-run")
+    torch.set_num_threads(args.threads)
+    device, task = pick_device(args), load_task(args)
+    plan = check_memory(args, task, device, tepo.needs_ref(args.objective, objective_config(args, obj_overrides)),
+                        in_full=True)
+    out = args.out or os.path.join("runs", f"memory_check__{time.strftime('%Y%m%d-%H%M%S')}")
+    rows = args.prompts_per_step * args.group_size
+    runs_check = args.entropy_check_every <= args.steps
+    worst = dataclasses.replace(
+        args, check_memory_on_device=False, out=os.path.join(out, "run"), steps=2, eval_every=2, save_every=10**9,
+        n_test=rows, pass_k_problems=max(1, rows // args.pass_k), report_to="none", stop_after=None,
+        entropy_check_every=1 if runs_check else 10**9,
+        dataset=worst_case_dataset(args, task, rows, os.path.join(out, "data.jsonl")) if args.model else None)
+    prompts = f"of {args.max_prompt_tokens} tokens" if args.model else "(the built-in task's)"
+    print(f"--check-memory-on-device: 2 RL steps on {device.type}: {args.prompts_per_step} prompts {prompts} x "
+          f"{args.group_size} completions of {args.max_new_tokens} tokens, every row trained; the run's console in "
+          f"{out}/run.log", flush=True)
+    no_end = lambda model: []                                       # noqa: E731 -- no row ends early
+    patched = ((sampling.__dict__, "eos_ids_of", no_end), (train.__globals__, "eos_ids_of", no_end),
+               (bench.__dict__, "PEAK_DEVICE", device))
+    saved = [namespace[name] for namespace, name, _ in patched]
+    try:
+        for namespace, name, value in patched:
+            namespace[name] = value
+        os.makedirs(out, exist_ok=True)
+        with quiet(os.path.join(out, "run.log")):
+            train(worst, {**obj_overrides, "dynamic_sampling": False})
+    finally:
+        for (namespace, name, _), value in zip(patched, saved):
+            namespace[name] = value
+    log = read_log(os.path.join(worst.out, "metrics.jsonl"))
+    start = log[0]["memory/process_before_model_mb"] if device.type == "cpu" else 0.0
+    measured = {phase: max(row[f"memory/peak_mb/{lap}"] for row in log[1:] for lap in laps) - start
+                for phase, laps in LAP_PHASES.items()}
+    measured["evaluation"] = log[-1]["perf/peak_memory_mb"] - start          # after the last lap: the evaluation
+    result = print_check(plan, measured, device, log[1:], args)
+    write_json(os.path.join(out, "memory_check.json"), result)
+    print(f"written: {os.path.join(out, 'memory_check.json')}")
+    return result
+
+
+def worst_case_dataset(args, task, rows: int, path: str) -> str:
+    """A JSONL of the run's training questions, each repeated until its prompt is at least --max-prompt-tokens
+    long in the model's tokens (the run cuts it to that from the left), with their answers: 6 x rows records,
+    so that the held-out split (a fifth, tepokit/task.py) holds a rollout's worth of problems."""
+    import json
+    from transformers import AutoTokenizer
+    from tepokit.task import format_prompt
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    train_split = task["train"]
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        for i in range(6 * rows):
+            record = train_split[i % len(train_split)]
+            question = long_question = record["question"]
+            while len(tokenizer(format_prompt(long_question)).input_ids) < args.max_prompt_tokens:
+                long_question += " " + question
+            f.write(json.dumps({"question": long_question, "answer": record["answer"]}) + "\n")
+    return path
+
+
+def print_check(plan: dict, measured: dict, device, steps: list, args) -> dict:
+    """Each phase's plan beside its measured peak, and the lengths the steps reached; the result as a dict."""
+    gib, mib = 2**30, 2**20
+    planned = {phase: (1 + UNLISTED) * (sum(plan["parts"].values()) + plan["totals"][phase]) / mib
+               for phase in PHASES}
+    what = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "resident memory above the start"
+    print(f"{'phase':<16}{'plan':>11}{'measured':>11}{'plan/measured':>15}   (measured: {what})")
+    for phase in PHASES:
+        print(f"{phase:<16}{planned[phase] * mib / gib:>7.2f} GiB{measured[phase] * mib / gib:>7.2f} GiB"
+              f"{planned[phase] / measured[phase]:>15.2f}")
+    peak = max(measured, key=measured.get)
+    print(f"peak: planned {plan['peak'] / gib:.2f} GiB ({plan['phase']}), measured {measured[peak] * mib / gib:.2f} "
+          f"GiB ({peak}): plan/measured {plan['peak'] / mib / measured[peak]:.2f}")
+    lengths = [row["completions/mean_length"] for row in steps]
+    print(f"completions: mean length {min(lengths):.0f} of --max-new-tokens {args.max_new_tokens}; rows trained: "
+          f"{min(row['dynamic_sampling/kept_frac'] for row in steps):.0%}")
+    return {"device": str(device), "planned_mb": planned, "measured_mb": measured,
+            "planned_peak_mb": plan["peak"] / mib, "planned_phase": plan["phase"], "measured_phase": peak,
+            "measured_peak_mb": measured[peak], "completion_mean_length": lengths}

@@ -12,7 +12,7 @@ import train_small as ts
 import tepokit.memory
 from tepokit.cli import parse_args
 from tepokit.memory import PHASES, check_memory, peak_memory_mb, reset_peak_memory
-from tepokit.task import load_task
+from tepokit.task import format_prompt, load_task
 from tepokit.tests.helpers import SCRIPT, MICRO, run_main, read_rows
 
 
@@ -139,3 +139,36 @@ def measured_peak(process, out: str) -> float:
 def test_doubling_the_rollout_at_a_fixed_micro_batch_raises_the_peak_less_than_20_percent(measured_runs):
     small, large = measured_runs[(4, 4)], measured_runs[(8, 4)]
     assert large < 1.2 * small, (small, large)
+
+
+def test_the_memory_check_runs_the_plans_worst_case_and_prints_each_phase_beside_its_plan(tmp_path, capsys):
+    """--check-memory-on-device: the plan in full, then 2 RL steps of TEPO (whose dynamic sampling would drop
+    groups) with every row trained, every completion --max-new-tokens long though the model has an end
+    token, every prompt at least --max-prompt-tokens long; each phase's measured peak beside its plan, in
+    the output and in memory_check.json. The sampler's end tokens and the phase clock are as before after it."""
+    from tepokit import bench, model, sampling
+    from transformers import AutoTokenizer
+    model_dir = make_model_dir(tmp_path / "model", vocab_size=512)
+    with open(tmp_path / "data.jsonl", "w") as f:
+        for i in range(30):
+            f.write(json.dumps({"question": f"Ann has {i} pens. How many?", "answer": f"#### {i}"}) + "\n")
+    run_main(["--check-memory-on-device", "--model", model_dir, "--dataset", str(tmp_path / "data.jsonl"),
+              "--prompts-per-step", "2", "--group-size", "4", "--max-prompt-tokens", "40", "--max-new-tokens", "8",
+              "--micro-batch-size", "4", "--entropy-check-rows", "4", "--threads", "1",
+              "--out", str(tmp_path / "check")])
+    out = capsys.readouterr().out
+    assert "each phase adds" in out                                  # the plan in full
+    result = json.load(open(tmp_path / "check" / "memory_check.json"))
+    for phase in PHASES:
+        line = next(line for line in out.splitlines() if line.startswith(phase + " "))
+        assert f"{result['planned_mb'][phase] / 1024:.2f} GiB" in line and result["measured_mb"][phase] > 0
+    assert re.search(r"^peak: planned [\d.]+ GiB \(\w[\w -]*\), measured [\d.]+ GiB \(\w[\w -]*\): plan/measured "
+                     r"[\d.]+$", out, re.M)
+    assert "completions: mean length 8 of --max-new-tokens 8; rows trained: 100%" in out
+    rows = read_rows(tmp_path / "check" / "run")
+    assert len(rows) == 3 and all(r["completions/mean_length"] == 8 and r["dynamic_sampling/kept_frac"] == 1
+                                  and "entropy_change/measured" in r for r in rows[1:])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    questions = [json.loads(line)["question"] for line in open(tmp_path / "check" / "data.jsonl")]
+    assert min(len(tokenizer(format_prompt(q)).input_ids) for q in questions) >= 40
+    assert sampling.eos_ids_of is model.eos_ids_of and bench.PEAK_DEVICE is None
