@@ -3,18 +3,26 @@ and the peak memory a run measures."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import os
+import time
 
 import torch
 
+import tepo
+
 from tepokit.entropy_check import ENTROPY_CHECK_MAX_POSITIONS, checked_rows
+from tepokit import sampling
+from tepokit.cli import objective_config
 from tepokit.errors import fail
 from tepokit.forward import LOGITS_CHUNK_BYTES, rows_per_forward
 from tepokit.hub import cannot_load, use_offline_hub_if_unreachable
-from tepokit.model import builtin_tokenizer, tiny_model_config
+from tepokit.model import builtin_tokenizer, pick_device, tiny_model_config
 from tepokit.sampling import recompute_old_logprobs, sampler_logprobs_wanted, uses_loop
-from tepokit.task import load_task
+from tepokit.rundir import read_log, write_json
+from tepokit.task import format_prompt, load_task
 
 def reset_peak_memory(device) -> None:
     """Start a run's peak-memory count afresh (--compare runs several in one process). On Linux,
@@ -66,7 +74,7 @@ def process_memory_mb(field: str = "VmRSS") -> float:
 PHASES = ("generation", "evaluation", "old log-probs", "update", "entropy check")
 # What the parts do not list, as a share of the rest: tensors of a few MB or less (the rollout's ids and
 # masks, norms' statistics), kernels' workspaces (cuBLAS, attention) and the allocator's rounding. The parts
-# alone came within 1% of the peak at the GPU measurement's four runs, once 1% below it.
+# alone came within 2% of the peak at the GPU measurement's four runs, once 1% below it.
 UNLISTED = 0.05
 
 
@@ -314,14 +322,7 @@ def check_memory_on_device(args, obj_overrides: dict, train) -> dict:
     measured peak (torch.cuda.max_memory_allocated on a GPU; on the CPU resident memory above the process's
     start, which also holds freed blocks) beside its plan, and writes memory_check.json. `train` is
     train_small.py's run (passed in: the package does not import the script)."""
-    import dataclasses
-    import time
-    from tepokit import bench, sampling
-    from tepokit.bench import quiet
-    from tepokit.cli import objective_config
-    from tepokit.model import pick_device
-    from tepokit.rundir import read_log, write_json
-    import tepo
+    from tepokit import bench                  # bench imports this module
     if args.compare or args.resume or args.dry_run:
         fail("argument --check-memory-on-device: a mode of its own; run it without --compare, --resume and --dry-run")
     torch.set_num_threads(args.threads)
@@ -340,15 +341,15 @@ def check_memory_on_device(args, obj_overrides: dict, train) -> dict:
     print(f"--check-memory-on-device: 2 RL steps on {device.type}: {args.prompts_per_step} prompts {prompts} x "
           f"{args.group_size} completions of {args.max_new_tokens} tokens, every row trained; the run's console in "
           f"{out}/run.log", flush=True)
-    no_end = lambda model: []                                       # noqa: E731 -- no row ends early
-    patched = ((sampling.__dict__, "eos_ids_of", no_end), (train.__globals__, "eos_ids_of", no_end),
+    # the sampler and the completion mask look the end tokens up by this name (train_small.py's from train's)
+    patched = ((sampling.__dict__, "eos_ids_of", no_end_tokens), (train.__globals__, "eos_ids_of", no_end_tokens),
                (bench.__dict__, "PEAK_DEVICE", device))
     saved = [namespace[name] for namespace, name, _ in patched]
     try:
         for namespace, name, value in patched:
             namespace[name] = value
         os.makedirs(out, exist_ok=True)
-        with quiet(os.path.join(out, "run.log")):
+        with bench.quiet(os.path.join(out, "run.log")):
             train(worst, {**obj_overrides, "dynamic_sampling": False})
     finally:
         for (namespace, name, _), value in zip(patched, saved):
@@ -364,13 +365,16 @@ def check_memory_on_device(args, obj_overrides: dict, train) -> dict:
     return result
 
 
+def no_end_tokens(model) -> list:
+    """The worst case's end tokens: none, so every completion runs to --max-new-tokens."""
+    return []
+
+
 def worst_case_dataset(args, task, rows: int, path: str) -> str:
     """A JSONL of the run's training questions, each repeated until its prompt is at least --max-prompt-tokens
     long in the model's tokens (the run cuts it to that from the left), with their answers: 6 x rows records,
     so that the held-out split (a fifth, tepokit/task.py) holds a rollout's worth of problems."""
-    import json
     from transformers import AutoTokenizer
-    from tepokit.task import format_prompt
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     train_split = task["train"]
     os.makedirs(os.path.dirname(path), exist_ok=True)
