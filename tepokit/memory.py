@@ -332,10 +332,11 @@ def check_memory_on_device(args, obj_overrides: dict, train) -> dict:
     out = args.out or os.path.join("runs", f"memory_check__{time.strftime('%Y%m%d-%H%M%S')}")
     rows = args.prompts_per_step * args.group_size
     runs_check = args.entropy_check_every <= args.steps
+    # a rollout's worth of held-out problems (the built-in task keeps its own: they decide its warm-up)
     worst = dataclasses.replace(
         args, check_memory_on_device=False, out=os.path.join(out, "run"), steps=2, eval_every=2, save_every=10**9,
-        n_test=rows, pass_k_problems=max(1, rows // args.pass_k), report_to="none", stop_after=None,
-        entropy_check_every=1 if runs_check else 10**9,
+        n_test=rows if args.model else args.n_test, pass_k_problems=max(1, rows // args.pass_k), report_to="none",
+        stop_after=None, entropy_check_every=1 if runs_check else 10**9,
         dataset=worst_case_dataset(args, task, rows, os.path.join(out, "data.jsonl")) if args.model else None)
     prompts = f"of {args.max_prompt_tokens} tokens" if args.model else "(the built-in task's)"
     print(f"--check-memory-on-device: 2 RL steps on {device.type}: {args.prompts_per_step} prompts {prompts} x "
@@ -382,7 +383,7 @@ def worst_case_dataset(args, task, rows: int, path: str) -> str:
         for i in range(6 * rows):
             record = train_split[i % len(train_split)]
             question = long_question = record["question"]
-            while len(tokenizer(format_prompt(long_question)).input_ids) < args.max_prompt_tokens:
+            while question.strip() and len(tokenizer(format_prompt(long_question)).input_ids) < args.max_prompt_tokens:
                 long_question += " " + question
             f.write(json.dumps({"question": long_question, "answer": record["answer"]}) + "\n")
     return path

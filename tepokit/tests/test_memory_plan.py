@@ -162,8 +162,8 @@ CONFIGS = {
     # fp32, micro-batches of 4 rows in mini-batches of 8: the logits of 24 new tokens, their gradient, activations
     "fp32 micro-batches": ("qwen_wide_mlp", ["--micro-batch-size", "4", "--max-prompt-tokens", "24",
                                              "--max-new-tokens", "24", "--no-check-sampling-logprobs"], "update"),
-    # one-row micro-batches with checkpointing: the rollout's prefill, 16 prompts of 128 tokens through the MLP
-    "checkpointing, prefill": ("qwen_wide_mlp", ["--micro-batch-size", "1", "--gradient-checkpointing",
+    # two-row micro-batches with checkpointing: the rollout's prefill, 16 prompts of 128 tokens through the MLP
+    "checkpointing, prefill": ("qwen_wide_mlp", ["--micro-batch-size", "2", "--gradient-checkpointing",
                                                  "--max-prompt-tokens", "128", "--max-new-tokens", "4",
                                                  "--no-check-sampling-logprobs"], "generation"),
     # bf16: the fp32 forward of precision_noise_floor beside the old log-probs
