@@ -218,8 +218,9 @@ def memory_plan(args, config, needs_ref: bool) -> dict:
         moments = [(f"{name}: {moment}", {**copies, **parts}) for name in ("reference model", "policy")
                    if name == "policy" and recompute or name == "reference model" and needs_ref
                    for moment, parts in forward(b, a)]
-        # the checked positions' logits: a copy of the forward's checked rows, then of their positions
-        capture = min(b, rows_checked) * T * V * a + n_checked * V * a
+        # the checked positions' logits: a copy of the checked rows (one forward's, or all of the sampler's at
+        # once), then of their positions
+        capture = (min(b, rows_checked) if recompute else rows_checked) * T * V * a + n_checked * V * a
         moments += [("entropy check's logits before", {**before, "capture copies": capture,
                                                        "one forward's logits": b * (T + 1) * V * a if recompute
                                                        else 0})]

@@ -3,9 +3,10 @@
 torch.cuda.max_memory_allocated counts the blocks of CUDA's caching allocator: each new tensor storage rounded
 up to 512 bytes, given back when the storage is freed, a view costing nothing. LiveBytes counts the same on
 the CPU, op by op, so the plan meets on the CPU what it meets on a GPU (resident memory would not: the
-allocator of the C library keeps freed blocks). Five 2-step GRPO runs of micro models with real shapes'
-proportions (Qwen2's grouped-query attention, vocabularies of 8,192 to 32,768 tokens), each made to peak in
-a different phase; the second step's generation runs with the gradients and Adam's moments of the first.
+allocator of the C library keeps freed blocks). Six 2-step GRPO runs of micro models with real shapes'
+proportions (Qwen2's grouped-query attention, vocabularies of 8,192 to 32,768 tokens), five of them made to
+peak in five different phases; the second step's generation runs with the gradients and Adam's moments of the
+first.
 """
 import contextlib
 import io
@@ -172,6 +173,10 @@ CONFIGS = {
     # GPT-2's sampling loop: evaluation keeps each of 16 prompts' keys and values, training each group's once
     "gpt2 loop, evaluation": ("gpt2", ["--micro-batch-size", "2", "--max-prompt-tokens", "192", "--max-new-tokens",
                                        "4", "--n-test", "16", "--beta", "0"], "evaluation"),
+    # the loop's old log-probs are the sampler's: the entropy check copies its logits of all 16 checked rows at once
+    "gpt2 loop, sampler's logits": ("gpt2", ["--micro-batch-size", "4", "--max-prompt-tokens", "32", "--max-new-tokens",
+                                             "16", "--entropy-check-every", "1", "--entropy-check-rows", "16", "--beta",
+                                             "0"], "entropy check"),
     # the entropy check on every step: the logits before and after at 192 positions, and its temporaries
     "entropy check every step": ("qwen", ["--micro-batch-size", "4", "--max-prompt-tokens", "24", "--max-new-tokens",
                                           "12", "--entropy-check-every", "1", "--entropy-check-rows", "16"],
