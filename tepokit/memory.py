@@ -1,5 +1,5 @@
 """Memory: the plan printed before a run (and by --dry-run), the refusal of a run that would not fit,
-and the peak memory a run measures."""
+the peak memory a run measures, and --check-memory-on-device (the plan against worst-case steps)."""
 
 from __future__ import annotations
 
@@ -12,17 +12,17 @@ import time
 import torch
 
 import tepo
-
-from tepokit.entropy_check import ENTROPY_CHECK_MAX_POSITIONS, checked_rows
 from tepokit import sampling
 from tepokit.cli import objective_config
+from tepokit.entropy_check import ENTROPY_CHECK_MAX_POSITIONS, checked_rows
 from tepokit.errors import fail
 from tepokit.forward import LOGITS_CHUNK_BYTES, rows_per_forward
 from tepokit.hub import cannot_load, use_offline_hub_if_unreachable
 from tepokit.model import builtin_tokenizer, pick_device, tiny_model_config
-from tepokit.sampling import recompute_old_logprobs, sampler_logprobs_wanted, uses_loop
 from tepokit.rundir import read_log, write_json
+from tepokit.sampling import recompute_old_logprobs, sampler_logprobs_wanted, uses_loop
 from tepokit.task import format_prompt, load_task
+
 
 def reset_peak_memory(device) -> None:
     """Start a run's peak-memory count afresh (--compare runs several in one process). On Linux,
