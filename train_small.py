@@ -4,11 +4,10 @@ Run `python train_small.py` (no flags, no network, 2 CPU cores, minutes): a tiny
 vocabulary, a synthetic arithmetic word-problem task whose answers end in GSM8K's `#### <number>`, a short
 supervised warm-up (its result for the default settings is committed in tepokit/start_model/, so every machine
 starts from the same model; other settings warm up once and cache it), then RL with any objective of tepo.py
-(TEPO by default). The warm-up corpus
-misreads half of the problems on purpose (`--sft-noise`, e.g. "7+3=10" for "7 bags of 3"), so the warmed-up
-model knows the right and the wrong reading and picks between them almost at random; RL learns to read
-the problem right. This is the regime RL with verifiable rewards is known for: sharpening a behaviour the
-starting model already has. The same code takes a real model and data set:
+(TEPO by default). The warm-up corpus misreads half of the problems on purpose (`--sft-noise`, e.g. "7+3=10" for
+"7 bags of 3"), so the warmed-up model knows the right and the wrong reading and picks between them almost at
+random; RL learns to read the problem right. This is the regime RL with verifiable rewards is known for:
+sharpening a behaviour the starting model already has. The same code takes a real model and data set:
 `--model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k` (the hub must be reachable, or give local paths).
 
 Read it top to bottom:
@@ -164,6 +163,7 @@ class Args:
     bench_steps: int = 3                # --bench: timed steps per repeat (after one untimed step)
     bench_repeats: int = 3              # --bench: alternating repeats (tepo, TRL, tepo, TRL, ...); the median counts
     bench_shape: str = "builtin"        # --bench: builtin (the run's own model), or gpt2-small (random weights)
+    check_memory_on_device: bool = False  # the memory plan, then 2 worst-case RL steps: each phase's measured peak
     stop_after: int | None = None       # stop after this step as if interrupted (testing --resume)
 
 
@@ -671,7 +671,7 @@ def main(argv=None) -> int:
     with StopSignals():           # until the RL loop takes over: a stop signal ends the program at once
         if args.dry_run:
             dry_run(args, obj_overrides)
-        elif args.bench:          # our step against TRL's GRPOTrainer on the same work (tepokit/bench.py)
+        elif args.bench or args.check_memory_on_device:   # our step against TRL's, or its memory (tepokit/bench.py)
             bench.benchmark(args, obj_overrides, train)
         elif args.compare:        # several objectives x seeds, paired by seed (tepokit/compare.py)
             compare.compare_objectives(args, obj_overrides, train)

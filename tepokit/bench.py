@@ -18,6 +18,7 @@ import tepo
 from tepokit.cli import command_line, flag_and_value, objective_config
 from tepokit.errors import fail
 from tepokit.forward import rows_per_forward, rows_per_minibatch
+from tepokit.memory import peak_memory_mb, reset_peak_memory
 from tepokit.model import pick_device, prepare_start_model
 from tepokit.rundir import read_log, save_pretrained_atomically, write_json
 from tepokit.stop import Stopped
@@ -25,32 +26,51 @@ from tepokit.task import format_prompt, gold_answer, load_task, parse_strict
 
 # --bench's FLOP-counting run sets this to an active torch.utils.flop_counter.FlopCounterMode.
 FLOP_COUNTER = None
+# --check-memory-on-device (tepokit/memory.py) sets this to the run's device: each lap then logs the peak
+# memory of its phase (memory/peak_mb/<phase>) and starts the count afresh.
+PEAK_DEVICE = None
+
+
+def wait_for_the_gpu() -> None:
+    """CUDA runs kernels asynchronously: a clock read while they run would charge their time to a later phase.
+    Wait for them when this process uses CUDA (nothing to wait for on the CPU)."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 class PhaseClock:
     """Seconds of each phase of an RL step, and its FLOPs when --bench counts them (FLOP_COUNTER).
-    clock.lap(name) ends the phase `name`; clock.row() gives timing/<name> (flops/<name>) and step_time."""
+    clock.lap(name) ends the phase `name`; clock.row() gives timing/<name> (flops/<name>) and step_time.
+    On a GPU each lap waits for the phase's kernels (wait_for_the_gpu)."""
 
     def __init__(self):
+        wait_for_the_gpu()
+        if PEAK_DEVICE is not None:       # what came before the step (an evaluation) is not its phases'
+            reset_peak_memory(PEAK_DEVICE)
         self.start = self.last = time.time()
         self.flops = self.flops_total()
-        self.seconds, self.counted = {}, {}
+        self.seconds, self.counted, self.peaks = {}, {}, {}
 
     @staticmethod
     def flops_total() -> int:
         return FLOP_COUNTER.get_total_flops() if FLOP_COUNTER is not None else 0
 
     def lap(self, name: str) -> None:
+        wait_for_the_gpu()
         now, flops = time.time(), self.flops_total()
         self.seconds[name], self.counted[name] = now - self.last, flops - self.flops
         self.last, self.flops = now, flops
+        if PEAK_DEVICE is not None:
+            self.peaks[name] = peak_memory_mb(PEAK_DEVICE)
+            reset_peak_memory(PEAK_DEVICE)
 
     def total(self) -> float:
         return self.last - self.start
 
     def row(self) -> dict:
         flops = {f"flops/{k}": v for k, v in self.counted.items()} if FLOP_COUNTER is not None else {}
-        return {**{f"timing/{k}": v for k, v in self.seconds.items()}, "step_time": self.total(), **flops}
+        return {**{f"timing/{k}": v for k, v in self.seconds.items()}, "step_time": self.total(), **flops,
+                **{f"memory/peak_mb/{k}": v for k, v in self.peaks.items()}}
 
 
 PHASES = ("generate", "reward", "old_logprobs", "update")    # what the bench times (its entropy check is off)
@@ -67,7 +87,11 @@ def benchmark(args, obj_overrides: dict, train) -> None:
     mini-batches, micro-batches, epochs, learning rate, precision and checkpointing (bench_trl_config), and
     every row trained: DAPO's dynamic sampling, which drops the groups whose rewards are all equal, is
     turned off on our side (TRL's GRPOTrainer has no such filter). A reference model on both sides when
-    the objective needs one (TRL's beta). What still differs is printed with the result."""
+    the objective needs one (TRL's beta). What still differs is printed with the result.
+    With --check-memory-on-device it measures memory instead (tepokit/memory.py, check_memory_on_device)."""
+    if args.check_memory_on_device:      # main() sends both measuring modes here
+        from tepokit.memory import check_memory_on_device
+        return check_memory_on_device(args, obj_overrides, train)
     try:
         import trl  # noqa: F401
     except ImportError:
@@ -118,10 +142,12 @@ def measure(args, obj_overrides: dict, train, out: str) -> None:
                                                 [o["step_time"] for o in sides["ours_recomputed"]])}
     print_result(result)
     flops = counted_flops(args, same_work, train, os.path.join(out, "ours_flops"))
-    rate = matmul_rate(args.threads, torch.bfloat16 if args.precision == "bf16" else torch.float32)
+    device, dtype = pick_device(args), torch.bfloat16 if args.precision == "bf16" else torch.float32
+    rate = matmul_rate(args.threads, dtype, device)
     median_ours = {k: median([o[k] for o in sides["ours"]]) for k in sides["ours"][0]}
-    print_phases(median_ours, flops, rate)
-    result.update(flops_per_step=flops, matmul_flops_per_second=rate)
+    print_phases(median_ours, flops, rate, f"{device_name(device)}, {str(dtype)[6:]}")
+    result.update(flops_per_step=flops, matmul_flops_per_second=rate, device=device_name(device),
+                  matmul_dtype=str(dtype)[6:])
     if args.bench_shape == "builtin":
         result["rollout_memory"] = rollout_memory(args, same_work, out)
     else:
@@ -239,22 +265,36 @@ def attention_backward_flops(grad_out, query, key, value, *args, out_shape=None,
     return 2 * attention_flops(query, key, value)
 
 
-def matmul_rate(threads: int, dtype, n: int = 1024, repeats: int = 10) -> float:
-    """The machine's dense matrix-product rate (FLOP/s) on `threads` threads in `dtype`: the median of
-    `repeats` products of two n x n matrices (2 n^3 operations each)."""
+def matmul_rate(threads: int, dtype, device=torch.device("cpu"), n: int | None = None, repeats: int = 10) -> float:
+    """The device's dense matrix-product rate (FLOP/s) in `dtype` (on `threads` threads on the CPU): the
+    median of `repeats` products of two n x n matrices (2 n^3 operations each; n 1024 on the CPU, 8192 on a
+    GPU, which smaller products leave idle), each timed to the end of its kernel."""
     torch.set_num_threads(threads)
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    n = n or (8192 if device.type == "cuda" else 1024)
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
     a @ b                                                                   # warm-up
     times = []
     for _ in range(repeats):
+        wait_for_the_gpu()
         t0 = time.perf_counter()
         a @ b
+        wait_for_the_gpu()
         times.append(time.perf_counter() - t0)
     return 2 * n**3 / sorted(times)[len(times) // 2]
 
 
-def print_phases(ours: dict, flops: dict, rate: float) -> None:
-    print(f"where the step goes (the machine's dense matmul rate: {rate / 1e9:.1f} GFLOP/s):")
+def device_name(device) -> str:
+    """The GPU's name (torch.cuda.get_device_name), or the CPU's and the threads torch uses."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+    return f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s)"
+
+
+def print_phases(ours: dict, flops: dict, rate: float, device: str) -> None:
+    """Seconds, share of the step, FLOPs and FLOP/s of each phase, and that rate against the device's matmul
+    rate in the run's dtype (`device` names both)."""
+    print(f"where the step goes (dense matmul rate of {device}: {rate / 1e9:.1f} GFLOP/s):")
     print(f"  {'phase':<15}{'seconds':>9}{'share':>7}{'GFLOP':>9}{'GFLOP/s':>9}{'of the rate':>13}")
     for p in PHASES:
         seconds = ours[f"timing/{p}"]
@@ -272,7 +312,8 @@ SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 def rollout_memory(args, obj_overrides: dict, out: str) -> dict:
     """Peak memory of one RL step at the run's rollout and at twice as many prompts, with the micro-batch
     fixed at the run's rows per forward: each in a process of its own (the peak resident memory of a
-    process cannot be reset cleanly), counted above the process's memory before the model is loaded."""
+    process cannot be reset cleanly), counted above the process's memory before the model is loaded (on a
+    GPU: the memory CUDA allocated)."""
     micro = rows_per_forward(args)
     peaks = {}
     for prompts in (args.prompts_per_step, 2 * args.prompts_per_step):
@@ -286,7 +327,9 @@ def rollout_memory(args, obj_overrides: dict, out: str) -> dict:
         if done.returncode != 0:
             fail(f"--bench: the memory run with {prompts} prompts failed: {done.stderr.strip().splitlines()[-1]}")
         rows = read_log(os.path.join(run_dir, "metrics.jsonl"))
-        peaks[prompts] = rows[1]["perf/peak_memory_mb"] - rows[0]["memory/process_before_model_mb"]
+        # on a GPU the peak is CUDA's count from the model's loading on; on the CPU the process's, less its start
+        on_cpu = pick_device(args).type == "cpu"
+        peaks[prompts] = rows[1]["perf/peak_memory_mb"] - on_cpu * rows[0]["memory/process_before_model_mb"]
     small, large = peaks[args.prompts_per_step], peaks[2 * args.prompts_per_step]
     print(f"peak memory above the process's before the model, micro-batch {micro} rows: {small:.0f} MiB at "
           f"{args.prompts_per_step} prompts, {large:.0f} MiB at {2 * args.prompts_per_step} ({large / small:.2f}x)")

@@ -1,20 +1,28 @@
 """Memory: the plan printed before a run (and by --dry-run), the refusal of a run that would not fit,
-and the peak memory a run measures."""
+the peak memory a run measures, and --check-memory-on-device (the plan against worst-case steps)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import os
+import time
 
 import torch
 
+import tepo
+from tepokit import sampling
+from tepokit.cli import objective_config
 from tepokit.entropy_check import ENTROPY_CHECK_MAX_POSITIONS, checked_rows
 from tepokit.errors import fail
 from tepokit.forward import LOGITS_CHUNK_BYTES, rows_per_forward
 from tepokit.hub import cannot_load, use_offline_hub_if_unreachable
-from tepokit.model import builtin_tokenizer, tiny_model_config
-from tepokit.sampling import sampler_logprobs_wanted, stacked_logits_bytes
-from tepokit.task import load_task
+from tepokit.model import builtin_tokenizer, pick_device, tiny_model_config
+from tepokit.rundir import read_log, write_json
+from tepokit.sampling import recompute_old_logprobs, sampler_logprobs_wanted, uses_loop
+from tepokit.task import format_prompt, load_task
+
 
 def reset_peak_memory(device) -> None:
     """Start a run's peak-memory count afresh (--compare runs several in one process). On Linux,
@@ -44,13 +52,31 @@ def process_memory_mb(field: str = "VmRSS") -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak, KiB on Linux
 
 
-# An estimate, by part, of the peak memory of a run, made from the model's config before any weight
-# is loaded. The parts that do not depend on the rollout size are the model's: weights, gradients
-# and Adam's two moments in float32 (16 bytes per parameter), and a float32 reference model when the
-# objective needs one. The rest is per forward pass (--micro-batch-size rows): the activations kept
-# for the backward, and the logits [b, T, V], which dominate with a large vocabulary (151,936 for
-# Qwen2.5: 0.6 MB per position in float32). Generation's KV cache grows with the rollout. On the CPU
-# the plan counts what the run adds to the process, not the ~0.5 GB that torch and transformers take.
+# The memory plan: an upper bound, made from the model's config before any weight is loaded, of the bytes
+# of live tensors at each phase of an RL step, counted as CUDA's caching allocator counts them
+# (torch.cuda.max_memory_allocated). The model's state lives through every phase of a long run: fp32
+# weights, their gradients (kept from one step's last optimizer step to the next step's first), Adam's two
+# moments, and a fp32 reference model when the objective needs one. Each phase adds its own tensors:
+#   generation     the rollout: the prompts' prefill (every prompt token through the MLP at once), then
+#                  one token at a time over a growing KV cache, the sampler's [B, V] temporaries, and
+#                  generate's stacked logits [B, T, V] when its log-probs are wanted
+#   evaluation     greedy decoding of a rollout's worth of rows, one row per prompt
+#   old log-probs  no-grad forwards of one micro-batch: the reference model's, the policy's (recomputed
+#                  old log-probs) and, in bf16, the fp32 forward of precision_noise_floor
+#   update         one micro-batch's forward and backward (activations, logits, their gradient, the lm_head
+#                  weight's gradient), then Adam's foreach step
+#   entropy check  the logits before and after the update at the checked positions, and one forward
+# Under bf16 autocast every phase that runs a forward keeps bf16 copies of the weights (2 bytes per
+# parameter) from the forward through its backward. On the CPU the plan counts what the run adds to the
+# process, not the ~0.5 GB that torch and transformers take. tepokit/tests/test_memory_plan.py holds it
+# against the live tensor bytes counted at each phase of real runs.
+
+PHASES = ("generation", "evaluation", "old log-probs", "update", "entropy check")
+# What the parts do not list, as a share of the rest: tensors of a few MB or less (the rollout's ids and
+# masks, norms' statistics), kernels' workspaces (cuBLAS, attention) and the allocator's rounding. The parts
+# alone came within 2% of the peak at the GPU measurement's four runs, once 1% below it.
+UNLISTED = 0.05
+
 
 def model_config_for_plan(args, task):
     """The config of the model the run will train (built-in: made here, nothing is trained yet)."""
@@ -65,62 +91,172 @@ def model_config_for_plan(args, task):
                     "give a local model directory, or run without --model for the built-in tiny model")
 
 
-def memory_plan(args, config, needs_ref: bool) -> dict:
-    """Estimated bytes by part, and the peak: the model's parts plus the larger of the two phases
-    (generation, update), which never overlap."""
+def model_shape(config) -> dict:
+    """The sizes the plan needs, from a transformers config (GPT-2's and Llama/Qwen2's names alike)."""
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):                            # shapes only: no memory, no weights
         meta_model = AutoModelForCausalLM.from_config(config)
-    n_params = sum(p.numel() for p in meta_model.parameters())
-    H, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
-    heads = config.num_attention_heads
-    kv_dim = getattr(config, "num_key_value_heads", None) or heads
-    kv_dim = kv_dim * H // heads
-    inner = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * H
-    b = rows_per_forward(args)                            # rows per forward and backward
-    rollout = args.prompts_per_step * args.group_size     # rows generated at once (evaluation too)
-    S = args.max_prompt_tokens + args.max_new_tokens      # longest sequence
-    T = args.max_new_tokens
-    act = 2 if args.precision == "bf16" else 4            # bytes of an activation or a logit
-    # Per token and layer, what a transformer layer keeps for its backward: norms, q/k/v, the
-    # attention output and its weights, the residuals and the MLP's hidden layers.
-    per_layer_token = (7 * H + 2 * kv_dim + heads * S + 4 * inner) * act
-    # Tokens of one forward: every row's prompt and completion under gradient checkpointing; otherwise
-    # each distinct prompt once (forward.completion_logits; a micro-batch that splits groups meets one
-    # more) and every row's completion.
-    prompts = min(b, math.ceil(b / args.group_size) + (b % args.group_size != 0))
-    tokens = b * S if args.gradient_checkpointing else prompts * args.max_prompt_tokens + b * T
-    layer_inputs = L * tokens * H * 4                     # what gradient checkpointing keeps
-    one_layer = tokens * per_layer_token
-    logits = b * (T + 1) * V * act                        # one forward's logits [b, T + 1, V]
-    chunk = min(LOGITS_CHUNK_BYTES, b * (T + 1) * V * 4)  # one chunk of float32 softmax temporaries
-    check = min(checked_rows(args) * T, ENTROPY_CHECK_MAX_POSITIONS) * V * act   # the check's kept logits
-    plan = {
-        "weights (fp32)": 4 * n_params,
-        "gradients (fp32)": 4 * n_params,
-        "Adam moments (fp32)": 8 * n_params,
-        "reference model (fp32)": 4 * n_params if needs_ref else 0,
-        "activations, one micro-batch": layer_inputs + one_layer if args.gradient_checkpointing else L * one_layer,
-        # the logits and their gradient, softmax temporaries chunk by chunk, and under gradient checkpointing
-        # the gradient of the slice [:, :-1] taken of them (forward.completion_logits)
-        "logits, one micro-batch": (3 if args.gradient_checkpointing else 2) * logits + 4 * chunk,
-        "entropy check (logits before)": check,
-        "generation KV cache": 2 * L * rollout * S * kv_dim * act,
-        # the fused sample step's float32 temporaries [B, V]; generate's stacked logits [B, T, V] if the
-        # log-probs are taken from it (tepokit/sampling.py)
-        "generation logits": rollout * V * 4 * 3 + (stacked_logits_bytes(args, config)
-                                                    if sampler_logprobs_wanted(args, config) else 0),
-    }
-    # The update's peak: its micro-batch (activations and logits) while the entropy check's "before"
-    # logits wait; or the entropy check itself: before and after, one forward's logits, temporaries.
-    update = max(plan["activations, one micro-batch"] + plan["logits, one micro-batch"] + check,
-                 2 * check + logits + 6 * chunk)
-    generation = plan["generation KV cache"] + plan["generation logits"]
-    model = sum(plan[k] for k in ("weights (fp32)", "gradients (fp32)", "Adam moments (fp32)",
-                                  "reference model (fp32)"))
-    return {"parts": plan, "n_params": n_params, "peak": model + max(update, generation),
-            "phase": "update" if update >= generation else "generation",
+    H, heads = config.hidden_size, config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return {"n_params": sum(p.numel() for p in meta_model.parameters()), "H": H, "L": config.num_hidden_layers,
+            "V": config.vocab_size, "kv": kv_heads * (H // heads),            # width of the keys (and values)
+            "I": getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * H,
+            # a gated MLP (Llama, Qwen2: gate, up, their product) and RMSNorm, or GPT-2's (fc, gelu) and LayerNorm
+            "gated": config.model_type != "gpt2",
+            "tied": bool(getattr(config, "tie_word_embeddings", True)),
             "supports_gradient_checkpointing": meta_model.supports_gradient_checkpointing}
+
+
+def memory_plan(args, config, needs_ref: bool) -> dict:
+    """Estimated bytes of the model's state (parts) and of each phase (PHASES) of an RL step, and the peak:
+    the model's state plus the phase that adds the most. A phase is as large as its largest moment; phases
+    gives, per phase, that moment's name and its parts (bytes), totals their sums."""
+    m = model_shape(config)
+    N, H, L, V, kv, inner = m["n_params"], m["H"], m["L"], m["V"], m["kv"], m["I"]
+    a = 2 if args.precision == "bf16" else 4             # bytes of a linear layer's output (bf16 under autocast)
+    k = 4 + a                                             # a key and a value: RoPE's fp32 cos/sin keep keys fp32
+    b = rows_per_forward(args)                            # rows per forward and backward
+    R = args.prompts_per_step * args.group_size          # rows of a rollout
+    P, T = args.max_prompt_tokens, args.max_new_tokens
+    S = P + T                                             # longest sequence
+    ckpt = args.gradient_checkpointing
+    loop = uses_loop(args, config)
+    recompute = recompute_old_logprobs(args, config)
+    rows_checked = checked_rows(args) if args.entropy_check_every <= args.steps else 0
+    n_checked = min(rows_checked * T, ENTROPY_CHECK_MAX_POSITIONS)        # positions the entropy check keeps
+    copies = {"bf16 weight copies (autocast)": 2 * N if args.precision == "bf16" else 0}
+    mlp = (3 if m["gated"] else 2) * inner * a           # a no-grad MLP's live outputs, per token
+    # the logits the entropy check keeps from before the update ([n, V]), and with the sampler's old log-probs
+    # the sampler's logits of the checked rows ([c, T, V]), which the rollout holds until the step ends
+    before = {"entropy check: logits before": n_checked * V * a + (0 if recompute else rows_checked * T * V * a)}
+
+    def chunks(positions: int, n: int, nbytes: int = 4) -> int:
+        """n float32 temporaries of one chunk of the logits (forward.LOGITS_CHUNK_BYTES) over `positions`."""
+        return n * min(LOGITS_CHUNK_BYTES, positions * V * nbytes)
+
+    def rollout(prompts: int, group: int, stacked: bool, kept: bool) -> list:
+        """The moments of generating `group` completions of `prompts` prompts (tepokit/sampling.py)."""
+        rows = prompts * group
+        kept_logits = {"sampler's logits of the checked rows": rows_checked * T * V * (a if loop else 4) if kept
+                       else 0}
+        if loop:     # sample_gpt2: fp32 keys and values of each prompt once, the completions' in one buffer
+            prompt_cache = {"prompts' keys and values": 2 * L * prompts * P * H * 4}
+            # a layer's queries, keys and values, its MLP, the residual stream, a norm's and the attention's
+            # outputs, and the prompts' causal mask
+            return [("prefill", {**prompt_cache, **copies, "prefill: one layer": prompts * P * (3 * H * a + mlp
+                                                                                               + 3 * H * 4 + P)}),
+                    ("decoding", {**prompt_cache, **copies, **kept_logits,
+                                  "completions' keys and values": 2 * L * rows * T * H * 4,
+                                  "sampling step (float32 [B, V])": rows * V * (a + 7 * 4)})]
+        cache = {"KV cache": L * rows * S * kv * k}
+        moments = [("prefill", {"KV cache": L * rows * P * kv * k, **copies,
+                                "prefill: one layer": rows * P * (mlp + 3 * H * 4 + P) + rows * V * a}),
+                   # a layer's cache grows by a copy; its keys and values repeated for the attention (GQA)
+                   ("decoding", {**cache, **copies, "one layer's cache copy, repeated keys and values":
+                                 2 * rows * S * (kv * k + H * a),
+                                 "sampling step (float32 [B, V])": rows * V * (a + 3 * 4),
+                                 "stacked logits": rows * T * V * 4 if stacked else 0})]
+        if stacked:  # generate's result keeps its cache while the log-probs are read from the stacked logits
+            moments.append(("log-probs of the stacked logits", {**cache, **kept_logits, "stacked logits":
+                            rows * T * V * 4, "log-softmax temporaries": 3 * rows * V * 4}))
+        return moments
+
+    def forward(rows: int, nbytes: int) -> list:
+        """The moments of a no-grad completion_logits on `rows` rows (each distinct prompt once, its keys and
+        values copied to its rows, then the completions; under checkpointing each row's whole sequence), then
+        its log-probs and entropy chunk by chunk. nbytes: of the logits and linear outputs."""
+        logits = rows * (T + 1) * V * nbytes
+        if ckpt:
+            return [("forward", {"one layer": rows * S * (mlp * nbytes // a + 3 * H * 4) + rows * S * S,
+                                 "logits": logits}),
+                    ("log-probs", {"logits and a contiguous copy": 2 * logits, "chunk temporaries":
+                                   chunks(rows * T, 4)})]
+        cache = L * rows * S * kv * (4 + nbytes)
+        return [("forward", {"KV cache": cache, "one layer": rows * T * (mlp * nbytes // a + 3 * H * 4)
+                             + 2 * rows * S * (kv * (4 + nbytes) + H * nbytes) + rows * T * S}),
+                ("logits", {"KV cache": cache, "logits (two pieces and their concatenation)": 2 * logits}),
+                ("log-probs", {"logits": logits, "chunk temporaries": chunks(rows * T, 4)})]
+
+    # What one layer keeps for the backward, per token: the residual stream and the norms (fp32), the
+    # attention's queries, output and its copy, the MLP's outputs; per row, the (repeated) keys and values.
+    per_token = (6 if m["gated"] else 4) * H * 4 + 4 * H * a + (4 if m["gated"] else 2) * inner * a
+
+    def layer(tokens: int, rows: int) -> int:
+        return tokens * per_token + 2 * rows * S * H * a
+
+    def update() -> list:
+        logits = b * (T + 1) * V * a
+        lm_head_grad = V * H * (4 + (2 if args.precision == "bf16" else 0))
+        common = {**copies, **before}
+        # each distinct prompt of the micro-batch once (a micro-batch that splits groups meets one more)
+        prompts = min(b, math.ceil(b / args.group_size) + (b % args.group_size != 0))
+        # the embedding's weight gradient [V, H]; with tied weights (lm_head is the embedding) also lm_head's,
+        # held until the embedding's arrives, and their sum. Without checkpointing the prompts' forward came
+        # first, so its backward comes last: its activations and the logits' gradient wait for it.
+        embedding_backward = ("backward through the embedding", {
+            **before, "embedding weight gradients": V * H * 4 * (3 if m["tied"] else 1),
+            "prompts' activations, gradient of the logits": 0 if ckpt else L * prompts * P * per_token + b * T * V * a})
+        if ckpt:     # the layers' inputs; the logits [b, T+1, V] with a contiguous copy of [:, :-1]
+            inputs = {"layer inputs (checkpoints)": L * b * S * H * 4}
+            return [("backward through the log-probs", {**common, **inputs, "logits, copy, gradient": 3 * logits,
+                                                        "chunk temporaries": chunks(b * T, 3)}),
+                    ("backward through lm_head", {**common, **inputs, "gradient of the logits and of their slice":
+                                                  2 * logits, "lm_head weight gradient": lm_head_grad}),
+                    ("backward through a layer", {**common, **inputs, "one layer recomputed, its gradients":
+                                                  2 * layer(b * S, b)}),
+                    embedding_backward, ("Adam's step", {**before, "foreach temporaries": 4 * N})]
+        acts = {"activations": L * layer(b * T, b) + L * prompts * P * per_token}
+        return [("forward", {**common, **acts, "KV cache": L * b * S * kv * k, "logits": 2 * logits}),
+                ("backward through the log-probs", {**common, **acts, "logits and their gradient": 2 * logits,
+                                                    "chunk temporaries": chunks(b * T, 3)}),
+                # the gradient of the slice [:, 1:] is copied to be contiguous for lm_head's backward
+                ("backward through lm_head", {**common, **acts, "gradient of the logits and a copy": 2 * logits,
+                                              "lm_head weight gradient": lm_head_grad}),
+                embedding_backward, ("Adam's step", {**before, "foreach temporaries": 4 * N})]
+
+    def old_logprobs() -> list:
+        moments = [(f"{name}: {moment}", {**copies, **parts}) for name in ("reference model", "policy")
+                   if name == "policy" and recompute or name == "reference model" and needs_ref
+                   for moment, parts in forward(b, a)]
+        # the checked positions' logits: a copy of the checked rows (one forward's, or all of the sampler's at
+        # once), then of their positions
+        capture = (min(b, rows_checked) if recompute else rows_checked) * T * V * a + n_checked * V * a
+        moments += [("entropy check's logits before", {**before, "capture copies": capture,
+                                                       "one forward's logits": b * (T + 1) * V * a if recompute
+                                                       else 0})]
+        if args.precision == "bf16":          # precision_noise_floor: one micro-batch in fp32
+            moments += [(f"fp32 forward (bf16 noise floor): {moment}", {**before, **parts})
+                        for moment, parts in forward(b, 4)]
+        return moments
+
+    def entropy_check() -> list:
+        if not rows_checked:
+            return [("not run", {})]
+        rows = min(b, rows_checked)
+        after = {"logits before and after": 2 * n_checked * V * a + (0 if recompute else rows_checked * T * V * a)}
+        return ([(f"its forward: {moment}", {**copies, **after, **parts}) for moment, parts in forward(rows, a)]
+                + [("copies of the checked positions", {**copies, **after, "one forward's logits and two copies":
+                                                        rows * T * V * a * 3}),
+                   ("predicted and measured change", {**after, "chunk temporaries": 8 * min(
+                       LOGITS_CHUNK_BYTES, n_checked * V * 4)})])
+
+    eval_rows = min(args.n_test, R)
+    pass_k_prompts = min(args.pass_k_problems, args.n_test, max(1, R // args.pass_k))
+    moments = {"generation": rollout(args.prompts_per_step, args.group_size,
+                                     stacked=not loop and sampler_logprobs_wanted(args, config),
+                                     kept=not recompute and rows_checked > 0),
+               "evaluation": rollout(eval_rows, 1, False, False) + rollout(pass_k_prompts, args.pass_k, False, False),
+               "old log-probs": old_logprobs(), "update": update(), "entropy check": entropy_check()}
+    phases = {phase: max(found, key=lambda moment: sum(moment[1].values())) for phase, found in moments.items()}
+    phases = {phase: (moment, {part: n for part, n in parts.items() if n}) for phase, (moment, parts) in phases.items()}
+    totals = {phase: sum(parts.values()) for phase, (_, parts) in phases.items()}
+    parts = {"weights (fp32)": 4 * N, "gradients (fp32)": 4 * N, "Adam moments (fp32)": 8 * N,
+             "reference model (fp32)": 4 * N if needs_ref else 0}
+    phase = max(totals, key=totals.get)
+    listed = sum(parts.values()) + totals[phase]
+    return {"parts": parts, "phases": phases, "totals": totals, "n_params": N, "unlisted": UNLISTED * listed,
+            "peak": (1 + UNLISTED) * listed, "phase": phase,
+            "supports_gradient_checkpointing": m["supports_gradient_checkpointing"]}
 
 
 def device_memory(device) -> int:
@@ -134,30 +270,142 @@ def device_memory(device) -> int:
 
 
 def print_memory_plan(plan: dict, capacity: int, device, in_full: bool) -> None:
-    """The plan part by part (in_full), or its peak in one line."""
+    """The plan: the model's state, each phase, the parts of the phase that peaks (in_full); or its peak in one line."""
     gib, where = 2**30, "on the GPU" if device.type == "cuda" else "available on this machine"
     if not in_full:
-        print(f"memory plan: estimated peak {plan['peak'] / gib:.2f} GiB of {capacity / gib:.1f} GiB {where} "
-              f"({plan['n_params'] / 1e6:.1f}M parameters; --dry-run shows each part)", flush=True)
+        print(f"memory plan: estimated peak {plan['peak'] / gib:.2f} GiB ({plan['phase']}) of {capacity / gib:.1f} GiB "
+              f"{where} ({plan['n_params'] / 1e6:.1f}M parameters; --dry-run shows each part)", flush=True)
         return
-    print(f"memory plan (estimate; {plan['n_params'] / 1e6:.1f}M parameters):")
+    print(f"memory plan (an upper bound; {plan['n_params'] / 1e6:.1f}M parameters):")
     for part, nbytes in plan["parts"].items():
-        print(f"  {part:<32} {nbytes / gib:8.2f} GiB")
-    print(f"  {'estimated peak (' + plan['phase'] + ')':<32} {plan['peak'] / gib:8.2f} GiB of {capacity / gib:.1f} GiB "
+        print(f"  {part:<40} {nbytes / gib:8.2f} GiB")
+    print("  each phase adds, at its largest moment:")
+    for phase, total in plan["totals"].items():
+        moment, parts = plan["phases"][phase]
+        print(f"    {phase:<38} {total / gib:8.2f} GiB   {moment}")
+        if phase == plan["phase"]:
+            for part, nbytes in parts.items():
+                print(f"      {part:<36} {nbytes / gib:8.2f} GiB")
+    print(f"  {'unlisted: small tensors, workspaces (5%)':<40} {plan['unlisted'] / gib:8.2f} GiB")
+    print(f"  {'estimated peak (' + plan['phase'] + ')':<40} {plan['peak'] / gib:8.2f} GiB of {capacity / gib:.1f} GiB "
           f"{where}", flush=True)
 
 
-def check_memory(args, task, device, needs_ref: bool) -> dict:
-    """Print the plan; refuse, in one line, a run that would not fit (unless --force)."""
+def check_memory(args, task, device, needs_ref: bool, in_full: bool = False) -> dict:
+    """Print the plan (part by part if in_full); refuse, in one line, a run that would not fit (unless --force)."""
     plan = memory_plan(args, model_config_for_plan(args, task), needs_ref)
     if args.gradient_checkpointing and not plan["supports_gradient_checkpointing"]:
         fail(f"argument --gradient-checkpointing: model {args.model!r} does not support gradient checkpointing; "
              f"run without --gradient-checkpointing")
     capacity = device_memory(device)
     # In full when asked for (--dry-run) or when it matters: on a GPU, or when the run would not fit.
-    print_memory_plan(plan, capacity, device, in_full=args.dry_run or device.type == "cuda" or plan["peak"] > capacity)
+    print_memory_plan(plan, capacity, device,
+                      in_full=in_full or args.dry_run or device.type == "cuda" or plan["peak"] > capacity)
     if plan["peak"] > capacity and not args.force and not args.dry_run:
         fail(f"the estimated peak memory {plan['peak'] / 2**30:.1f} GiB exceeds the {capacity / 2**30:.1f} GiB "
              f"of the device; lower --micro-batch-size, --max-new-tokens or --prompts-per-step, add "
              f"--gradient-checkpointing or --precision bf16, or pass --force to try anyway")
     return plan
+
+
+# --check-memory-on-device: the plan of a run, then its worst case on the device, measured. Each phase's plan is
+# the model's state plus the phase and the unlisted share, as the peak is.
+LAP_PHASES = {"generation": ("generate", "reward"), "old log-probs": ("old_logprobs",), "update": ("update",),
+              "entropy check": ("entropy_check",)}
+
+
+def check_memory_on_device(args, obj_overrides: dict, train) -> dict:
+    """The plan, then two RL steps at the plan's worst case on this device: every prompt cut to
+    --max-prompt-tokens (the run's training questions, repeated until they are that long), every completion
+    --max-new-tokens long (the end tokens are switched off), every row trained (no dynamic sampling), the
+    entropy check on both steps if the run makes it, and an evaluation of a rollout's worth of problems at the
+    end; the second step runs with the gradients and Adam's moments of the first. Prints each phase's
+    measured peak (torch.cuda.max_memory_allocated on a GPU; on the CPU resident memory above the process's
+    start, which also holds freed blocks) beside its plan, and writes memory_check.json. `train` is
+    train_small.py's run (passed in: the package does not import the script)."""
+    from tepokit import bench                  # bench imports this module
+    if args.compare or args.resume or args.dry_run:
+        fail("argument --check-memory-on-device: a mode of its own; run it without --compare, --resume and --dry-run")
+    torch.set_num_threads(args.threads)
+    device, task = pick_device(args), load_task(args)
+    plan = check_memory(args, task, device, tepo.needs_ref(args.objective, objective_config(args, obj_overrides)),
+                        in_full=True)
+    out = args.out or os.path.join("runs", f"memory_check__{time.strftime('%Y%m%d-%H%M%S')}")
+    rows = args.prompts_per_step * args.group_size
+    runs_check = args.entropy_check_every <= args.steps
+    # a rollout's worth of held-out problems (the built-in task keeps its own: they decide its warm-up)
+    worst = dataclasses.replace(
+        args, check_memory_on_device=False, out=os.path.join(out, "run"), steps=2, eval_every=2, save_every=10**9,
+        n_test=rows if args.model else args.n_test, pass_k_problems=max(1, rows // args.pass_k), report_to="none",
+        stop_after=None, entropy_check_every=1 if runs_check else 10**9,
+        dataset=worst_case_dataset(args, task, rows, os.path.join(out, "data.jsonl")) if args.model else None)
+    prompts = f"of {args.max_prompt_tokens} tokens" if args.model else "(the built-in task's)"
+    print(f"--check-memory-on-device: 2 RL steps on {device.type}: {args.prompts_per_step} prompts {prompts} x "
+          f"{args.group_size} completions of {args.max_new_tokens} tokens, every row trained; the run's console in "
+          f"{out}/run.log", flush=True)
+    # the sampler and the completion mask look the end tokens up by this name (train_small.py's from train's)
+    patched = ((sampling.__dict__, "eos_ids_of", no_end_tokens), (train.__globals__, "eos_ids_of", no_end_tokens),
+               (bench.__dict__, "PEAK_DEVICE", device))
+    saved = [namespace[name] for namespace, name, _ in patched]
+    try:
+        for namespace, name, value in patched:
+            namespace[name] = value
+        os.makedirs(out, exist_ok=True)
+        with bench.quiet(os.path.join(out, "run.log")):
+            train(worst, {**obj_overrides, "dynamic_sampling": False})
+    finally:
+        for (namespace, name, _), value in zip(patched, saved):
+            namespace[name] = value
+    log = read_log(os.path.join(worst.out, "metrics.jsonl"))
+    start = log[0]["memory/process_before_model_mb"] if device.type == "cpu" else 0.0
+    measured = {phase: max(row[f"memory/peak_mb/{lap}"] for row in log[1:] for lap in laps) - start
+                for phase, laps in LAP_PHASES.items()}
+    measured["evaluation"] = log[-1]["perf/peak_memory_mb"] - start          # after the last lap: the evaluation
+    result = print_check(plan, measured, device, log[1:], args)
+    write_json(os.path.join(out, "memory_check.json"), result)
+    print(f"written: {os.path.join(out, 'memory_check.json')}")
+    return result
+
+
+def no_end_tokens(model) -> list:
+    """The worst case's end tokens: none, so every completion runs to --max-new-tokens."""
+    return []
+
+
+def worst_case_dataset(args, task, rows: int, path: str) -> str:
+    """A JSONL of the run's training questions, each repeated until its prompt is at least --max-prompt-tokens
+    long in the model's tokens (the run cuts it to that from the left), with their answers: 6 x rows records,
+    so that the held-out split (a fifth, tepokit/task.py) holds a rollout's worth of problems."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    train_split = task["train"]
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        for i in range(6 * rows):
+            record = train_split[i % len(train_split)]
+            question = long_question = record["question"]
+            while question.strip() and len(tokenizer(format_prompt(long_question)).input_ids) < args.max_prompt_tokens:
+                long_question += " " + question
+            f.write(json.dumps({"question": long_question, "answer": record["answer"]}) + "\n")
+    return path
+
+
+def print_check(plan: dict, measured: dict, device, steps: list, args) -> dict:
+    """Each phase's plan beside its measured peak, and the lengths the steps reached; the result as a dict."""
+    gib, mib = 2**30, 2**20
+    planned = {phase: (1 + UNLISTED) * (sum(plan["parts"].values()) + plan["totals"][phase]) / mib
+               for phase in PHASES}
+    what = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "resident memory above the start"
+    print(f"{'phase':<16}{'plan':>11}{'measured':>11}{'plan/measured':>15}   (measured: {what})")
+    for phase in PHASES:
+        print(f"{phase:<16}{planned[phase] * mib / gib:>7.2f} GiB{measured[phase] * mib / gib:>7.2f} GiB"
+              f"{planned[phase] / measured[phase]:>15.2f}")
+    peak = max(measured, key=measured.get)
+    print(f"peak: planned {plan['peak'] / gib:.2f} GiB ({plan['phase']}), measured {measured[peak] * mib / gib:.2f} "
+          f"GiB ({peak}): plan/measured {plan['peak'] / mib / measured[peak]:.2f}")
+    lengths = [row["completions/mean_length"] for row in steps]
+    print(f"completions: mean length {min(lengths):.0f} of --max-new-tokens {args.max_new_tokens}; rows trained: "
+          f"{min(row['dynamic_sampling/kept_frac'] for row in steps):.0%}")
+    return {"device": str(device), "planned_mb": planned, "measured_mb": measured,
+            "planned_peak_mb": plan["peak"] / mib, "planned_phase": plan["phase"], "measured_phase": peak,
+            "measured_peak_mb": measured[peak], "completion_mean_length": lengths}

@@ -257,16 +257,22 @@ def use_fused_gelu(model) -> None:
                 setattr(module, name, torch.nn.GELU(approximate="tanh"))
 
 
+# The models this process has loaded: transformers' "Loading weights" bar is shown for a model's first load
+# only, not again for its reference model (or the next run of --compare).
+LOADED = set()
+
+
 def load_policy(path: str, args, device):
     """Model and tokenizer from an id or directory; one-line error if it cannot be had."""
     offline_reason = None if os.path.exists(path) else use_offline_hub_if_unreachable()
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     try:
-        with without_transformers_bars(when=args.model is None):
+        with without_transformers_bars(when=args.model is None or path in LOADED):
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
             # fp32 weights (Adam's master copy); with --precision bf16 the forward passes run under autocast
             model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=args.trust_remote_code,
                                                          dtype=torch.float32)
+        LOADED.add(path)
     except Exception as e:  # noqa: BLE001 -- any loading failure is a user-facing one-liner
         cannot_load("model", path, e, offline_reason,
                     "give a local model directory, or run without --model for the built-in tiny model")
@@ -285,7 +291,11 @@ def load_policy(path: str, args, device):
     use_fused_gelu(model)
     model.to(device).eval()
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers 5.24 names it activation checkpointing (the old name warns that it is deprecated)
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     return model, tokenizer
 

@@ -138,3 +138,37 @@ def test_the_gpt2_small_shape_is_a_preset_that_flags_override_and_is_refused_wit
     with pytest.raises(SystemExit) as e:
         parse_args(ts.Args, ["--bench", "--bench-shape", "gpt2-small", "--model", "some/model"])
     assert e.value.code == 2
+
+
+def test_on_a_gpu_each_lap_and_each_timed_product_waits_for_the_kernels(monkeypatch):
+    """CUDA's kernels run asynchronously: the clock and the matmul rate wait for them (torch.cuda.synchronize)
+    before each reading of the time, whenever this process has started CUDA; on the CPU they never call it."""
+    import torch
+    waits = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: waits.append(1))
+    clock = bench.PhaseClock()
+    clock.lap("generate")
+    bench.matmul_rate(1, torch.float32, n=64, repeats=3)
+    assert waits == []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    clock = bench.PhaseClock()
+    clock.lap("generate")
+    clock.lap("update")
+    assert len(waits) == 3
+    bench.matmul_rate(1, torch.float32, n=64, repeats=3)
+    assert len(waits) == 3 + 2 * 3
+
+
+def test_where_the_step_goes_names_the_device_and_its_rate_in_the_runs_dtype(capsys):
+    """Each phase's FLOP/s against the matmul rate of the device that ran it: 0.5 TFLOP in a 1-second update
+    at a rate of 1 TFLOP/s is 50% of the rate."""
+    import torch
+    seconds = {"timing/generate": 2.0, "timing/reward": 0.5, "timing/old_logprobs": 0.5, "timing/update": 1.0,
+               "step_time": 4.0}
+    flops = {"generate": 1e11, "reward": 0, "old_logprobs": 2e11, "update": 5e11}
+    bench.print_phases(seconds, flops, 1e12, "NVIDIA H200, bfloat16")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "where the step goes (dense matmul rate of NVIDIA H200, bfloat16: 1000.0 GFLOP/s):"
+    update = next(line.split() for line in lines if line.strip().startswith("update"))
+    assert update == ["update", "1.000", "25%", "500.00", "500.00", "50.0%"]
+    assert bench.device_name(torch.device("cpu")).startswith("CPU ")

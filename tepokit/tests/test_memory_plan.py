@@ -1,0 +1,207 @@
+"""tepokit/memory.py's plan against the tensor bytes real runs hold, phase by phase, counted as CUDA counts them.
+
+torch.cuda.max_memory_allocated counts the blocks of CUDA's caching allocator: each new tensor storage rounded
+up to 512 bytes, given back when the storage is freed, a view costing nothing. LiveBytes counts the same on
+the CPU, op by op, so the plan meets on the CPU what it meets on a GPU (resident memory would not: the
+allocator of the C library keeps freed blocks). Six 2-step GRPO runs of micro models with real shapes'
+proportions (Qwen2's grouped-query attention, vocabularies of 8,192 to 32,768 tokens), five of them made to
+peak in five different phases; the second step's generation runs with the gradients and Adam's moments of the
+first.
+"""
+import contextlib
+import io
+import json
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import tepo
+import train_small as ts
+from tepokit import bench
+from tepokit.cli import objective_config, parse_args
+from tepokit.memory import PHASES, memory_plan, model_config_for_plan
+from tepokit.model import END, build_char_tokenizer
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the tensor storages alive, each rounded up to 512 bytes (CUDA's caching allocator's block),
+    and their peak since `peak` was last set. Every op's outputs are seen; a storage already counted (a view,
+    an in-place op's result) is not counted again, and a storage is subtracted when it is freed."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.storages = {}                    # id of a live storage -> a weak reference to it
+
+    def track(self, tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self.storages:
+            return
+        nbytes = -(-storage.nbytes() // 512) * 512
+
+        def freed(_, key=key, nbytes=nbytes):
+            self.live -= nbytes
+            del self.storages[key]
+
+        self.storages[key] = weakref.ref(storage, freed)
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for value in tree_flatten(out)[0]:
+            if isinstance(value, torch.Tensor):
+                self.track(value)
+        return out
+
+
+def test_live_bytes_counts_storages_as_cudas_allocator_does():
+    counter = LiveBytes()
+    with counter:
+        a = torch.ones(1000)                                   # 4,000 bytes: one 4,096-byte block
+        view = a.view(10, 100)
+        a.mul_(2)                                              # in place: no new storage
+        assert counter.live == 4096
+        b = a * 2 + 1                                          # a temporary (a * 2), freed, then b
+        assert counter.live == 2 * 4096 and counter.peak == 3 * 4096
+        del a
+        assert counter.live == 2 * 4096                        # the view keeps a's storage
+        del view, b
+        assert counter.live == 0 and counter.peak == 3 * 4096
+
+
+# The clock's laps (tepokit/bench.PhaseClock) and the plan's phases; a step's rewards count with its generation.
+LAPS = {"generate": "generation", "reward": "generation", "old_logprobs": "old log-probs", "update": "update",
+        "entropy_check": "entropy check"}
+
+
+def measured_phases(argv, monkeypatch) -> tuple[dict, int]:
+    """Run train_small.py in this process under LiveBytes: the peak bytes of each phase (PHASES) and of the
+    whole RL loop. The models' parameters count from their loading on, as on a GPU."""
+    counter, peaks, loop = LiveBytes(), {}, {"peak": 0}
+
+    def ended(phase):
+        peaks[phase] = max(peaks.get(phase, 0), counter.peak)
+        loop["peak"] = max(loop["peak"], counter.peak)
+        counter.peak = counter.live
+
+    clock_init, clock_lap, evaluate, load_policy = (bench.PhaseClock.__init__, bench.PhaseClock.lap, ts.evaluate,
+                                                    ts.load_policy)
+
+    def init(clock):
+        loop["peak"] = max(loop["peak"], counter.peak) if peaks else 0   # from the first step on
+        counter.peak = counter.live
+        clock_init(clock)
+
+    def lap(clock, name):
+        clock_lap(clock, name)
+        ended(LAPS[name])
+
+    def evaluated(*args, **kwargs):
+        counter.peak = counter.live
+        row = evaluate(*args, **kwargs)
+        ended("evaluation")
+        return row
+
+    def loaded(*args, **kwargs):
+        model, tokenizer = load_policy(*args, **kwargs)
+        for tensor in [*model.parameters(), *model.buffers()]:
+            counter.track(tensor)
+        return model, tokenizer
+
+    monkeypatch.setattr(bench.PhaseClock, "__init__", init)
+    monkeypatch.setattr(bench.PhaseClock, "lap", lap)
+    monkeypatch.setattr(ts, "evaluate", evaluated)
+    monkeypatch.setattr(ts, "load_policy", loaded)
+    with counter, contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        ts.main(argv)
+    return peaks, max(loop["peak"], counter.peak)
+
+
+def save_model(path, config) -> str:
+    """A random-weight model of `config` with a character tokenizer padded to its vocabulary."""
+    from transformers import AutoModelForCausalLM
+    tokenizer = build_char_tokenizer(["abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"], config.vocab_size)
+    end = tokenizer.convert_tokens_to_ids(END)
+    config.bos_token_id = config.eos_token_id = config.pad_token_id = end
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.pad_token_id = end
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """The models (random weights: no completion ends before --max-new-tokens) and problems whose prompts
+    reach --max-prompt-tokens."""
+    from transformers import GPT2Config, Qwen2Config
+    d = tmp_path_factory.mktemp("memory_plan")
+    with open(d / "data.jsonl", "w") as f:
+        for i in range(100):          # 20 of them held out (tepokit/task.py), more than --n-test 16
+            question = " ".join(f"On day {j} Ann finds {i + j} more pens in the shed." for j in range(6))
+            f.write(json.dumps({"question": question + " How many pens now?", "answer": f"#### {i}"}) + "\n")
+
+    def qwen(inner):
+        return Qwen2Config(vocab_size=32768, hidden_size=64, intermediate_size=inner, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                           max_position_embeddings=512)
+    gpt2 = GPT2Config(vocab_size=8192, n_positions=512, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
+                      embd_pdrop=0.0, attn_pdrop=0.0)
+    models = {"qwen": save_model(d / "qwen", qwen(512)), "qwen_wide_mlp": save_model(d / "qwen_wide", qwen(2048)),
+              "gpt2": save_model(d / "gpt2", gpt2)}
+    return d, models
+
+
+# (model, flags, the phase that peaks): GRPO, 4 prompts x 4 samples, 2 mini-batches, 2 steps.
+CONFIGS = {
+    # fp32, micro-batches of 4 rows in mini-batches of 8: the logits of 24 new tokens, their gradient, activations
+    "fp32 micro-batches": ("qwen_wide_mlp", ["--micro-batch-size", "4", "--max-prompt-tokens", "24",
+                                             "--max-new-tokens", "24", "--no-check-sampling-logprobs"], "update"),
+    # two-row micro-batches with checkpointing: the rollout's prefill, 16 prompts of 128 tokens through the MLP
+    "checkpointing, prefill": ("qwen_wide_mlp", ["--micro-batch-size", "2", "--gradient-checkpointing",
+                                                 "--max-prompt-tokens", "128", "--max-new-tokens", "4",
+                                                 "--no-check-sampling-logprobs"], "generation"),
+    # bf16: the fp32 forward of precision_noise_floor beside the old log-probs
+    "bf16": ("qwen", ["--micro-batch-size", "8", "--precision", "bf16", "--max-prompt-tokens", "24",
+                      "--max-new-tokens", "12"], "old log-probs"),
+    # GPT-2's sampling loop: evaluation keeps each of 16 prompts' keys and values, training each group's once
+    "gpt2 loop, evaluation": ("gpt2", ["--micro-batch-size", "2", "--max-prompt-tokens", "192", "--max-new-tokens",
+                                       "4", "--n-test", "16", "--beta", "0"], "evaluation"),
+    # the loop's old log-probs are the sampler's: the entropy check copies its logits of all 16 checked rows at once
+    "gpt2 loop, sampler's logits": ("gpt2", ["--micro-batch-size", "4", "--max-prompt-tokens", "32", "--max-new-tokens",
+                                             "16", "--entropy-check-every", "1", "--entropy-check-rows", "16", "--beta",
+                                             "0"], "entropy check"),
+    # the entropy check on every step: the logits before and after at 192 positions, and its temporaries
+    "entropy check every step": ("qwen", ["--micro-batch-size", "4", "--max-prompt-tokens", "24", "--max-new-tokens",
+                                          "12", "--entropy-check-every", "1", "--entropy-check-rows", "16"],
+                                 "entropy check"),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_the_plan_holds_the_peak_of_each_phase_counted_as_cuda_counts_it(name, setup, monkeypatch):
+    """The plan of each phase (the model's state plus the phase, and the 5% it keeps for what it does not list)
+    lies within -5% and +25% of the bytes measured in it, and it names the phase where the run peaks."""
+    d, models = setup
+    model, flags, phase = CONFIGS[name]
+    argv = ["--model", models[model], "--dataset", str(d / "data.jsonl"), "--objective", "grpo", "--steps", "2",
+            "--prompts-per-step", "4", "--group-size", "4", "--n-test", "4", "--pass-k", "1",
+            "--pass-k-problems", "1", "--eval-every", "100", "--save-every", "100", "--overlong-cache", "4",
+            "--entropy-check-every", "100", "--threads", "1", *flags, "--out", str(d / name.replace(" ", "_"))]
+    args, overrides = parse_args(ts.Args, argv)
+    plan = memory_plan(args, model_config_for_plan(args, None), tepo.needs_ref(args.objective,
+                                                                               objective_config(args, overrides)))
+    measured, loop_peak = measured_phases(argv, monkeypatch)
+    assert set(measured) == set(PHASES)
+    assert loop_peak == max(measured.values())          # nothing between the phases peaks higher
+    planned = {p: (1 + 0.05) * (sum(plan["parts"].values()) + plan["totals"][p]) for p in PHASES}
+    ratios = {p: round(planned[p] / measured[p], 3) for p in PHASES}
+    assert max(measured, key=measured.get) == plan["phase"] == phase, ratios
+    assert plan["peak"] == pytest.approx(planned[phase])
+    assert all(0.95 <= ratio <= 1.25 for ratio in ratios.values()), ratios
