@@ -311,7 +311,7 @@ def check_memory(args, task, device, needs_ref: bool, in_full: bool = False) -> 
 # --check-memory-on-device: the plan of a run, then its worst case on the device, measured. Each phase's plan is
 # the model's state plus the phase and the unlisted share, as the peak is.
 LAP_PHASES = {"generation": ("generate", "reward"), "old log-probs": ("old_logprobs",), "update": ("update",),
-              "entropy check": ("entropy_check",)}
+              "entropy check": ("measure",)}      # the measurements after the update: the entropy check's peak
 
 
 def check_memory_on_device(args, obj_overrides: dict, train) -> dict:

@@ -76,7 +76,7 @@ def test_live_bytes_counts_storages_as_cudas_allocator_does():
 
 # The clock's laps (tepokit/bench.PhaseClock) and the plan's phases; a step's rewards count with its generation.
 LAPS = {"generate": "generation", "reward": "generation", "old_logprobs": "old log-probs", "update": "update",
-        "entropy_check": "entropy check"}
+        "measure": "entropy check"}     # the lap of the measurements after the update, of which the check peaks
 
 
 def measured_phases(argv, monkeypatch) -> tuple[dict, int]:
