@@ -61,7 +61,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from tepokit import bench, cli, compare, rundir   # first: tepokit/__init__.py sets OMP_WAIT_POLICY before torch loads
+from tepokit import bench, cli, compare, resume, rundir  # first: tepokit/__init__.py sets OMP_WAIT_POLICY for torch
 import torch
 from tqdm.auto import tqdm
 
@@ -78,6 +78,7 @@ from tepokit.report import Trackers, trackers_of
 from tepokit.sampling import recompute_old_logprobs, sample, sampler_logprobs_wanted
 from tepokit.stats import combine_micro_batches, mean_pass_at_k
 from tepokit.stop import StopSignals, Stopped, stopped_after
+from tepokit.summary import evaluation_line, write_summary
 from tepokit.task import format_prompt, gold_answer, load_task, score_completions, task_fingerprint
 
 
@@ -577,7 +578,7 @@ def train(args: Args, obj_overrides: dict) -> dict:
             bar.set_postfix({"reward": f"{row['reward']:.2f}", "H": f"{row['entropy']:.3f}"})
             entropies.append(row["entropy"])
             if "eval/accuracy" in row:         # a line that stays on screen above the progress bar
-                bar.write(rundir.evaluation_line(row, args, entropies))
+                bar.write(evaluation_line(row, args, entropies))
                 entropies = []
             # Read once: the save and the stop agree on it. A signal after this line waits for the next step's
             # end; at the run's last step, it waits for the policy and the summary to be written.
@@ -591,7 +592,7 @@ def train(args: Args, obj_overrides: dict) -> dict:
             rundir.save_pretrained_atomically(run.model.cpu(), run.tokenizer, os.path.join(run.run_dir, "policy"))
             run.model.to(run.device)
             rows = rundir.read_log(os.path.join(run.run_dir, "metrics.jsonl"))
-            summary = rundir.write_summary(run.run_dir, rows, args, time.time() - t_start)
+            summary = write_summary(run.run_dir, rows, args, time.time() - t_start)
         else:
             summary = {"run_dir": run.run_dir, "stopped_at": last_step}
         if stop.requested:             # it came during the last step, the final save or the summary
@@ -611,19 +612,18 @@ def start_run(args: Args, obj_overrides: dict) -> Run:
     cfg = cli.objective_config(args, obj_overrides)
     rundir.seed_everything(args.seed)
     task = load_task(args)
-    check_memory(args, task, device, tepo.needs_ref(args.objective, cfg))
+    needs_ref = tepo.needs_ref(args.objective, cfg)
+    check_memory(args, task, device, needs_ref)
     run_dir = args.out or os.path.join("runs", rundir.run_name(args))
     print(f"run directory: {run_dir}", flush=True)    # created once everything has loaded
     reset_peak_memory(device)
     memory_before_model = process_memory_mb()
     start_model = prepare_start_model(args, task, device)
     model, tokenizer = load_policy(start_model, args, device)
-    ref_model = None
-    if tepo.needs_ref(args.objective, cfg):
-        ref_model = load_policy(start_model, args, device)[0].requires_grad_(False)
+    ref_model = load_policy(start_model, args, device)[0].requires_grad_(False) if needs_ref else None
     identity = rundir.run_identity(args.objective, model, tokenizer, task_fingerprint(task))
     if resume_dir:                     # still nothing changed: the run must be the one that was saved
-        rundir.check_same_run(resume_dir, identity)
+        resume.check_same_run(resume_dir, identity)
     lock = rundir.claim_run_dir(run_dir, resume=bool(resume_dir), overwrite=args.overwrite)
     run = Run(args=args, cfg=cfg, objective=tepo.OBJECTIVES[args.objective], device=device, run_dir=run_dir,
               lock=lock, identity=identity, model=model, ref_model=ref_model, tokenizer=tokenizer,
@@ -656,7 +656,7 @@ def start_run(args: Args, obj_overrides: dict) -> Run:
         start = evaluate(model, tokenizer, run.test_set, args, device)
         rundir.append_row(logs[0], {"step": 0, **start, "memory/process_before_model_mb": memory_before_model})
         run.trackers.log({"step": 0, **start})
-        print(rundir.evaluation_line({"step": 0, **start}, args, entropies=[]), flush=True)
+        print(evaluation_line({"step": 0, **start}, args, entropies=[]), flush=True)
         rundir.save_checkpoint(run_dir, model, run.optimizer, 0, identity)
     return run
 

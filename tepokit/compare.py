@@ -8,10 +8,12 @@ import json
 import os
 import time
 
-from tepokit.cli import command_line, compare_entries
-from tepokit.rundir import read_log, write_atomically, write_json, write_summary
+from tepokit.cli import command_line
+from tepokit.rundir import read_log, write_atomically, write_json
 from tepokit.stats import t_interval
 from tepokit.stop import Stopped
+from tepokit.summary import write_summary
+from tepokit.validation import compare_entries
 
 
 def compare_objectives(args, obj_overrides: dict, train) -> None:

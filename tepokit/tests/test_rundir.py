@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import train_small as ts
-from tepokit import cli, rundir
+from tepokit import cli, resume, rundir
 from tepokit.rundir import read_log, truncate_log, write_atomically
+from tepokit.summary import accuracy_with_interval, evaluation_line
 from tepokit.tests.helpers import (MICRO, SCRIPT, assert_refused_in_one_line, assert_whole_rows_without_duplicates,
                                    fake_run, read_details, read_rows, rows_in, run_main, start_process,
                                    strict_loads, wait_until, without_timing)
@@ -314,7 +315,7 @@ def test_a_run_saved_before_the_sampler_resumes_with_the_arithmetic_it_had(workd
         json.dump(config, f)
     run_main(["--resume", out])
     assert [r["step"] for r in read_rows(out)] == [0, 1, 2]
-    resumed = rundir.check_resumable(out, ts.Args, cli.RUN_ONLY_FIELDS)[0]["args"]
+    resumed = resume.check_resumable(out, ts.Args, cli.RUN_ONLY_FIELDS)[0]["args"]
     assert resumed["sampler"] == "generate" and resumed["recompute_old_logprobs"] is True
     assert "logprobs/sampling_vs_recomputed_max_abs" in read_rows(out)[2]       # recomputed, and checked
 
@@ -450,15 +451,15 @@ TRL_CHECKPOINT_DAMAGE = {   # what happened: (how, the start of the phrase that 
 
 def test_a_whole_trl_checkpoint_passes_the_check(tmp_path):
     path = whole_trl_checkpoint(tmp_path / "checkpoint-4")
-    assert rundir.trl_checkpoint_problem(path) is None
+    assert resume.trl_checkpoint_problem(path) is None
     size = os.path.getsize(os.path.join(path, "model.safetensors"))
     cut(os.path.join(path, "model.safetensors"), -7)                       # the sizes are said as they are
     expected = f"model.safetensors is damaged ({size - 7} bytes where its header says {size})"
-    assert rundir.trl_checkpoint_problem(path) == expected
+    assert resume.trl_checkpoint_problem(path) == expected
     two_processes = whole_trl_checkpoint(tmp_path / "checkpoint-8")       # rng_state_<process>.pth, all there
     os.rename(os.path.join(two_processes, "rng_state.pth"), os.path.join(two_processes, "rng_state_0.pth"))
     torch.save({"cpu": torch.get_rng_state()}, os.path.join(two_processes, "rng_state_1.pth"))
-    assert rundir.trl_checkpoint_problem(two_processes) is None
+    assert resume.trl_checkpoint_problem(two_processes) is None
 
 
 @pytest.mark.parametrize("damage", list(TRL_CHECKPOINT_DAMAGE))
@@ -466,7 +467,7 @@ def test_the_trl_checkpoint_check_names_the_missing_or_damaged_file(damage, tmp_
     how, phrase = TRL_CHECKPOINT_DAMAGE[damage]
     path = whole_trl_checkpoint(tmp_path / "checkpoint-4")
     how(path)
-    problem = rundir.trl_checkpoint_problem(path)
+    problem = resume.trl_checkpoint_problem(path)
     assert problem is not None and problem.startswith(phrase), problem
     assert "\n" not in problem
 
@@ -481,36 +482,36 @@ def test_the_newest_whole_trl_checkpoint_is_chosen_by_step_and_set_aside_ones_ar
     os.remove(tmp_path / "checkpoint-12" / "identity.json")
     cut(tmp_path / "checkpoint-10" / "optimizer.pt", 50)
     Path(tmp_path, "checkpoint-20").write_text("a file, not a checkpoint")
-    newest, skipped = rundir.newest_whole_trl_checkpoint(str(tmp_path))
+    newest, skipped = resume.newest_whole_trl_checkpoint(str(tmp_path))
     assert newest == (str(tmp_path / "checkpoint-4"), 4)
     assert [(os.path.basename(p), why) for p, why in skipped] == [
         ("checkpoint-12", "identity.json is missing"),
         ("checkpoint-10", "optimizer.pt is damaged (BadZipFile: File is not a zip file)")]
     assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-12")     # what TRL alone would take
-    set_aside = rundir.set_aside_trl_checkpoints([p for p, _ in skipped])
+    set_aside = resume.set_aside_trl_checkpoints([p for p, _ in skipped])
     assert set_aside == [str(tmp_path / "incomplete-checkpoint-12"), str(tmp_path / "incomplete-checkpoint-10")]
-    assert rundir.newest_whole_trl_checkpoint(str(tmp_path)) == ((str(tmp_path / "checkpoint-4"), 4), [])
+    assert resume.newest_whole_trl_checkpoint(str(tmp_path)) == ((str(tmp_path / "checkpoint-4"), 4), [])
     assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-4")
     assert sorted(os.path.basename(p) for p in sort_checkpoints(str(tmp_path))) == ["checkpoint-2", "checkpoint-4"]
     # a later incomplete checkpoint-12 replaces the one set aside before (neither is whole)
     whole_trl_checkpoint(tmp_path / "checkpoint-12")
-    rundir.set_aside_trl_checkpoints([str(tmp_path / "checkpoint-12")])
-    assert rundir.trl_checkpoint_problem(str(tmp_path / "incomplete-checkpoint-12")) is None
+    resume.set_aside_trl_checkpoints([str(tmp_path / "checkpoint-12")])
+    assert resume.trl_checkpoint_problem(str(tmp_path / "incomplete-checkpoint-12")) is None
     assert not os.path.exists(tmp_path / "checkpoint-12")
 
 
 def test_the_evaluation_line_gives_95_percent_intervals_and_the_mean_entropy_since_the_last_line():
     args = ts.Args(n_test=500, pass_k=4, pass_k_problems=50)
-    start = rundir.evaluation_line({"step": 0, "eval/accuracy": 0.296, "eval/pass@4": 0.6}, args, [])
+    start = evaluation_line({"step": 0, "eval/accuracy": 0.296, "eval/pass@4": 0.6}, args, [])
     # 1.96 * sqrt(0.296 * 0.704 / 500) = 0.0400; 1.96 * sqrt(0.6 * 0.4 / 50) = 0.1358
     assert start == ("step    0: held-out accuracy 0.296 +- 0.040, pass@4 0.600 +- 0.136 (the start model; "
                      "+- : 95% intervals over 500 and 50 problems)")
-    line = rundir.evaluation_line({"step": 40, "eval/accuracy": 0.5, "eval/pass@4": 0.5}, args, [0.2, 0.1, 0.15])
+    line = evaluation_line({"step": 40, "eval/accuracy": 0.5, "eval/pass@4": 0.5}, args, [0.2, 0.1, 0.15])
     assert line == ("step   40: held-out accuracy 0.500 +- 0.044, pass@4 0.500 +- 0.139, "
                     "entropy 0.150 (mean of steps 38-40)")
-    assert rundir.evaluation_line({"step": 7, "eval/accuracy": 0.5, "eval/pass@4": 0.5}, args, [0.3]).endswith(
+    assert evaluation_line({"step": 7, "eval/accuracy": 0.5, "eval/pass@4": 0.5}, args, [0.3]).endswith(
         "entropy 0.300 (mean of step 7)")
     # at 0 or 1 the Wald interval has no width: the exact one-sided 95% bound, 1 - 0.05^(1/n), about 3/n
-    assert rundir.accuracy_with_interval(1.0, 100) == "1.000 (>= 0.970)"       # 0.05^(1/100) = 0.9705
-    assert rundir.accuracy_with_interval(0.0, 500) == "0.000 (<= 0.006)"       # 1 - 0.05^(1/500) = 0.0060
-    assert rundir.accuracy_with_interval(0.0, 2) == "0.000 (<= 0.776)"         # 1 - sqrt(0.05), not 3/2
+    assert accuracy_with_interval(1.0, 100) == "1.000 (>= 0.970)"       # 0.05^(1/100) = 0.9705
+    assert accuracy_with_interval(0.0, 500) == "0.000 (<= 0.006)"       # 1 - 0.05^(1/500) = 0.0060
+    assert accuracy_with_interval(0.0, 2) == "0.000 (<= 0.776)"         # 1 - sqrt(0.05), not 3/2

@@ -10,10 +10,10 @@ import torch
 
 import tepo
 import train_small as ts
-from tepokit import rundir
 from tepokit.entropy_check import checked_rows
 from tepokit.model import build_char_tokenizer, build_tiny_model
 from tepokit.stats import accuracy_auc
+from tepokit.summary import accuracy_with_interval
 from tepokit.tests.helpers import (F64, MICRO, assert_close, brute_force_pass_at_k, hand_batch, micro_run,
                                    read_details, read_rows, run_main, start_process, without_timing)
 
@@ -314,7 +314,7 @@ def test_evaluations_and_the_result_stay_on_screen_and_a_resumed_bar_counts_from
                      r"\(mean of steps 1-2\)$", out, re.M)
     block = out[out.index("done: tepo, seed 1, 2 RL steps in"):]
     summary = json.load(open("runs/screen/summary.json"))
-    assert f"{rundir.accuracy_with_interval(summary['start_accuracy'], 4)} -> " in block
+    assert f"{accuracy_with_interval(summary['start_accuracy'], 4)} -> " in block
     assert "95% intervals over 4 problems" in block
     assert "(2 samples of each of 2 problems)" in block          # what the sampled accuracy was measured on
     assert f"token entropy        {e1:.3f} -> {e2:.3f} nats ({100 * (e2 / e1 - 1):+.0f}%; first and last step)" \
