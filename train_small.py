@@ -4,11 +4,10 @@ Run `python train_small.py` (no flags, no network, 2 CPU cores, minutes): a tiny
 vocabulary, a synthetic arithmetic word-problem task whose answers end in GSM8K's `#### <number>`, a short
 supervised warm-up (its result for the default settings is committed in tepokit/start_model/, so every machine
 starts from the same model; other settings warm up once and cache it), then RL with any objective of tepo.py
-(TEPO by default). The warm-up corpus
-misreads half of the problems on purpose (`--sft-noise`, e.g. "7+3=10" for "7 bags of 3"), so the warmed-up
-model knows the right and the wrong reading and picks between them almost at random; RL learns to read
-the problem right. This is the regime RL with verifiable rewards is known for: sharpening a behaviour the
-starting model already has. The same code takes a real model and data set:
+(TEPO by default). The warm-up corpus misreads half of the problems on purpose (`--sft-noise`, e.g. "7+3=10"
+for "7 bags of 3"), so the warmed-up model knows the right and the wrong reading and picks between them almost
+at random; RL learns to read the problem right. This is the regime RL with verifiable rewards is known for:
+sharpening a behaviour the starting model already has. The same code takes a real model and data set:
 `--model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k` (the hub must be reachable, or give local paths).
 
 Read it top to bottom:
@@ -534,7 +533,8 @@ def evaluate(model, tokenizer, test, args: Args, device) -> dict:
     greedy_right = torch.cat(strict)                                                # [N]
     row = {"eval/accuracy": greedy_right.mean().item(), "eval/accuracy_lenient": torch.cat(lenient).mean().item(),
            **{f"eval/pass@{k}": value for k, value in mean_pass_at_k(n_right, args.pass_k).items()},
-           f"eval/mean@{args.pass_k}": right.mean().item()}
+           f"eval/mean@{args.pass_k}": right.mean().item(),     # and how many problems each figure is over:
+           "eval/problems": len(greedy_right), "eval/pass_k_problems": len(n_right)}
     if "type" in test.column_names:     # the hidden-type task: each type apart (tepokit/forks.py)
         row |= eval_by_type(greedy_right, right, sampled_texts, list(test["type"]), args.pass_k)
     return row

@@ -1,5 +1,5 @@
 """What a run says about itself: summary.json and the block that ends a run, and the evaluation line that
-stays on screen, each accuracy with its 95% interval."""
+stays on screen, each accuracy with its 95% interval over the problems actually evaluated."""
 
 from __future__ import annotations
 
@@ -85,16 +85,23 @@ def accuracy_with_interval(p: float, n: int) -> str:
     return f"{p:.3f} +- {wald_half_width(p, n):.3f}"
 
 
+def problem_counts(row: dict, args) -> tuple[int, int]:
+    """(held-out problems, problems of pass@k) of an evaluation row: those it evaluated, as logged; a log
+    written before the counts were logged gives the flags' numbers, which a small test split undercuts."""
+    n = row.get("eval/problems", args.n_test)
+    return n, row.get("eval/pass_k_problems", min(args.pass_k_problems, n))
+
+
 def evaluation_line(row: dict, args, entropies: list[float]) -> str:
     """The line an evaluation leaves on screen above the progress bar: held-out accuracy and pass@k with their 95%
     intervals (for pass@k, a mean of per-problem values in [0, 1], the Wald half-width is an upper bound), and the
     token entropy as the mean of the rollouts since the previous line: one step's entropy is too noisy to show a
     trend in a few lines. At step 0 (the start model, no rollout yet) the line says what the intervals are."""
-    step, k, sampled = row["step"], args.pass_k, min(args.pass_k_problems, args.n_test)   # pass@k's problems
-    text = (f"step {step:>4}: held-out accuracy {accuracy_with_interval(row['eval/accuracy'], args.n_test)}, "
+    step, k, (n, sampled) = row["step"], args.pass_k, problem_counts(row, args)
+    text = (f"step {step:>4}: held-out accuracy {accuracy_with_interval(row['eval/accuracy'], n)}, "
             f"pass@{k} {accuracy_with_interval(row[f'eval/pass@{k}'], sampled)}")
     if not entropies:
-        return text + f" (the start model; +- : 95% intervals over {args.n_test} and {sampled} problems)"
+        return text + f" (the start model; +- : 95% intervals over {n} and {sampled} problems)"
     first = step - len(entropies) + 1
     steps = f"step {step}" if first == step else f"steps {first}-{step}"
     return text + f", entropy {sum(entropies) / len(entropies):.3f} (mean of {steps})"
@@ -103,7 +110,8 @@ def evaluation_line(row: dict, args, entropies: list[float]) -> str:
 def print_summary(summary: dict, rows: list[dict], args, wall: float) -> None:
     """The block that ends a run, to stay on screen: what changed (with the uncertainty that the number of
     held-out problems leaves), where the files are, and what to try next."""
-    run_dir, k, n = summary["run_dir"], args.pass_k, args.n_test
+    run_dir, k = summary["run_dir"], args.pass_k
+    n, sampled = problem_counts([r for r in rows if "eval/accuracy" in r][-1], args)
     masks = [r["kl_mask/frac"] for r in rows if math.isfinite(r.get("kl_mask/frac", math.nan))]
     minutes, seconds = divmod(round(wall), 60)
     rows_out = [("held-out accuracy", f"{accuracy_with_interval(summary['start_accuracy'], n)} -> "
@@ -111,7 +119,7 @@ def print_summary(summary: dict, rows: list[dict], args, wall: float) -> None:
                  f"greedy; 95% intervals over {n} problems)"),
                 (f"sampled (T={args.temperature:g})", f"{summary['start_sampled_accuracy']:.3f} -> "
                  f"{summary['final_sampled_accuracy']:.3f};  final pass@{k} {summary[f'final_pass@{k}']:.3f}  "
-                 f"({k} samples of each of {min(args.pass_k_problems, n)} problems)")]
+                 f"({k} samples of each of {sampled} problems)")]
     measured = [r for r in rows if r["step"] > 0 and math.isfinite(r.get("entropy", math.nan))]
     if measured:       # means over the first and last tenth of the run: one step's entropy is noisy
         span = end_span(len(measured))

@@ -395,3 +395,19 @@ def test_two_runs_of_one_command_started_together_write_the_same_rows(tmp_path):
     assert [r["step"] for r in a] == list(range(7))
     for row_a, row_b in zip(a, b):
         assert row_a == row_b, {k: (v, row_b.get(k)) for k, v in row_a.items() if row_b.get(k) != v}
+
+
+def test_intervals_count_the_problems_evaluated_not_n_test(workdir, capsys):
+    """A 20-row data set holds out a fifth, 4 problems: every interval, the summary block and the logged counts
+    say 4, not --n-test 16 nor --pass-k-problems 8."""
+    with open("twenty.jsonl", "w") as f:
+        f.writelines(json.dumps({"question": f"What is {i} plus 1?", "answer": f"#### {i + 1}"}) + "\n"
+                     for i in range(20))
+    run_main([*MICRO, "--dataset", "twenty.jsonl", "--n-test", "16", "--pass-k-problems", "8", "--steps", "2",
+              "--out", "runs/twenty"])
+    out = capsys.readouterr().out
+    evals = [r for r in read_rows("runs/twenty") if "eval/accuracy" in r]
+    assert [(r["eval/problems"], r["eval/pass_k_problems"]) for r in evals] == [(4, 4), (4, 4)]
+    assert "(the start model; +- : 95% intervals over 4 and 4 problems)" in out
+    assert "greedy; 95% intervals over 4 problems)" in out and "(2 samples of each of 4 problems)" in out
+    assert "16 problems" not in out and "8 problems" not in out
