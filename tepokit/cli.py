@@ -24,6 +24,9 @@ from tepokit.validation import VALID, check_values, converter, field_kinds, flag
 RUN_ONLY_FIELDS = ("resume", "stop_after", "compare", "seeds", "baseline", "bench", "bench_steps", "bench_repeats",
                    "bench_shape", "out", "threads",
                    "cache_dir", "dry_run", "force", "overwrite", "report_to")
+# Of those, what a resumed run takes from its config.json unless the flag is given again: where its warm-up
+# model is cached (else a resumed run would warm up again into the default --cache-dir).
+KEPT_ON_RESUME = ("cache_dir",)
 
 
 def flag_and_value(name: str, value) -> list[str]:
@@ -227,7 +230,7 @@ def saved_settings(args, obj_overrides: dict, given: set[str], saved: dict,
     if saved_args.engine == "trl" and steps == checkpoint_step:     # TRL's Trainer would train one step more
         fail(f"argument --resume: {run_dir} (--engine trl) is checkpointed at its last step, {steps}: nothing is "
              f"left to train; extend it with --resume {run_dir} --steps {steps + 1} or more (nothing was changed)")
-    run_only = {k: getattr(args, k) for k in RUN_ONLY_FIELDS}
+    run_only = {k: getattr(args if k in given or k not in KEPT_ON_RESUME else saved_args, k) for k in RUN_ONLY_FIELDS}
     return (dataclasses.replace(saved_args, **{**run_only, "steps": steps, "out": run_dir}),
             dict(saved["objective_overrides"]))
 

@@ -145,9 +145,13 @@ def save_pretrained_atomically(model, tokenizer, final_dir: str) -> None:
             shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".tmp-{name}-")
     try:
+        os.chmod(tmp, 0o777 & ~current_umask())      # mkdtemp makes it private (0700); a shared cache is not
         with without_transformers_bars():
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
+        for root, _, files in os.walk(tmp):      # safetensors writes model.safetensors private (0600) too
+            for name in files:
+                os.chmod(os.path.join(root, name), 0o666 & ~current_umask())
         sync_tree(tmp)
     except BaseException as e:         # nothing half-written stays; a failed write is an OSError (one line)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -203,6 +207,15 @@ def sync_tree(folder: str) -> None:
         sync_folder(root)
 
 
+def current_umask() -> int:
+    """The process's umask (os.umask can only be read by setting it, so it is set back at once). The files of a
+    run and of the warm-up cache get the permissions any file the user creates gets: a teacher can read a
+    student's run, and users who share a --cache-dir share its entries."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_atomically(path: str, write) -> None:
     """write(f) into a temp file next to `path`, then os.replace it: a reader, a crash or a kill -9
     finds the old file or the new one, never half of one. Durable too (sync_file, sync_folder): the data reach
@@ -215,6 +228,7 @@ def write_atomically(path: str, write) -> None:
             os.remove(os.path.join(folder, stale))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}-")
     try:
+        os.chmod(tmp, 0o666 & ~current_umask())      # mkstemp makes it private (0600); a run's files are not
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

@@ -312,6 +312,15 @@ def test_saved_settings_are_kept_on_resume_with_the_run_only_fields_given():
     assert overrides == {"beta": 0.1}
 
 
+def test_resume_keeps_the_runs_cache_dir_unless_it_is_given_again():
+    """The resume command a run prints is --resume <dir> alone: the run's --cache-dir comes from its config.json,
+    so the resumed run finds its warm-up model instead of warming up again into runs/cache."""
+    saved = {"args": dataclasses.asdict(ts.Args(steps=10, cache_dir="/shared/cache")), "objective_overrides": {}}
+    kept, _ = saved_settings(ts.Args(resume="r"), {}, {"resume"}, saved, checkpoint_step=4)
+    given, _ = saved_settings(ts.Args(resume="r", cache_dir="mine"), {}, {"resume", "cache_dir"}, saved, 4)
+    assert (kept.cache_dir, given.cache_dir) == ("/shared/cache", "mine")
+
+
 def test_hidden_type_task_is_a_preset_recorded_in_the_args_with_its_own_demo():
     """--task hidden-type sets its preset (and only that), takes its committed start model, and flags win;
     --demo with it is the short classroom run of that task."""

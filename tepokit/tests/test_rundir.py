@@ -244,6 +244,26 @@ def test_every_file_a_run_writes_is_strict_json(workdir, capsys):
                                f'entropy_dynamics.ipynb with RUN_DIR = "{out_dir}"')   # the order of the README
 
 
+def test_run_files_and_cache_entries_get_the_users_umask(tmp_path):
+    """Under umask 027 every file of a run and of its warm-up cache entry is 0640 and every directory 0750 (group
+    readable), as any file the user creates: not 0600 / 0700 as temporary files are made."""
+    previous = os.umask(0o027)
+    try:
+        run_main([*MICRO, "--objective", "grpo", "--steps", "1", "--out", str(tmp_path / "run"),
+                  "--cache-dir", str(tmp_path / "cache"), "--lr", "2e-3"])
+    finally:
+        os.umask(previous)
+    entry = next((tmp_path / "cache").glob("warmup-*[!k]"))           # the entry, not its .lock
+    modes = {str(p.relative_to(tmp_path)): p.stat().st_mode & 0o777 for root in (tmp_path / "run", entry)
+             for p in [root, *root.rglob("*")]}
+    for name in ("run/config.json", "run/checkpoint.pt", "run/summary.json", "run/metrics.jsonl",
+                 "run/policy/config.json", f"cache/{entry.name}/model.safetensors"):
+        assert modes.pop(name) == 0o640, name
+    for name in ("run/policy", f"cache/{entry.name}"):
+        assert modes.pop(name) == 0o750, name
+    assert set(modes.values()) <= {0o640, 0o750}, modes
+
+
 # ---- the operating system's errors ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("where", ["below a regular file", "a name over 255 bytes"])
