@@ -66,6 +66,7 @@ from tqdm.auto import tqdm
 
 import tepo
 from tepokit.bench import PhaseClock
+from tepokit.divergence import Diverged, check_finite, stops_on_divergence
 from tepokit.entropy_check import NO_ENTROPY_CHANGE, EntropyCheckPositions, checked_rows, entropy_check
 from tepokit.errors import fail, os_error_line
 from tepokit.forks import eval_by_type, rollout_fork_metrics
@@ -552,7 +553,8 @@ def dataset_chunks(data, n: int, size: int):
 
 def train(args: Args, obj_overrides: dict) -> dict:
     """One RL run: start (or resume) it, then step, evaluate, log and checkpoint; the summary at the end.
-    A stop signal (Ctrl-C, SIGTERM, SIGHUP) finishes the step, checkpoints it and exits (tepokit/stop.py)."""
+    A stop signal (Ctrl-C, SIGTERM, SIGHUP) finishes the step, checkpoints it and exits (tepokit/stop.py); a step
+    that diverges ends the run before it is saved (tepokit/divergence.py)."""
     t_start = time.time()
     run = start_run(args, obj_overrides)
     args = run.args                    # with --resume: the saved settings, which start_run read
@@ -563,7 +565,9 @@ def train(args: Args, obj_overrides: dict) -> dict:
     with run.lock, run.trackers, StopSignals(finish_step=True) as stop:
         for step in bar:
             t0 = time.time()
-            row, details_row = rl_step(run, step)
+            with stops_on_divergence(step, run):      # a non-finite loss, gradient or weight ends the run here,
+                row, details_row = rl_step(run, step)
+            check_finite(step, row, run)              # before anything of the step is saved (tepokit/divergence.py)
             if step % args.eval_every == 0:
                 row.update(evaluate(run.model, run.tokenizer, run.test_set, args, run.device))
             elif step == args.steps:   # the final evaluation, off the schedule, leaves the RNG as it found it,
@@ -639,11 +643,7 @@ def start_run(args: Args, obj_overrides: dict) -> Run:
     # what was cached; from here the stream is the seed's, whatever was loaded (a resume then sets its own).
     rundir.seed_everything(args.seed)
     if resume_dir:
-        ckpt = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)
-        model.load_state_dict(ckpt["model"])
-        run.optimizer.load_state_dict(ckpt["optimizer"])
-        rundir.set_rng_state(ckpt["rng"])
-        run.first_step = ckpt["step"] + 1
+        run.first_step = rundir.load_checkpoint(run_dir, model, run.optimizer) + 1
         for path in logs:
             rundir.truncate_log(path, run.first_step)
     else:
@@ -691,7 +691,7 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except Stopped as e:          # what was kept, and how to go on
+    except (Stopped, Diverged) as e:    # what was kept, and how to go on
         print(f"train_small.py: {e.name}: {e.message}", file=sys.stderr)
         sys.exit(e.exit_status)
     except OSError as e:          # the disk, the file system, the permissions: one line, and what to do

@@ -261,6 +261,16 @@ def save_checkpoint(run_dir: str, model, optimizer, step: int, identity: dict) -
     write_atomically(path, write)
 
 
+def load_checkpoint(run_dir: str, model, optimizer) -> int:
+    """The model, optimizer and RNG states of a run directory's checkpoint.pt, loaded into `model` and
+    `optimizer` and set; returns its step."""
+    checkpoint = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    set_rng_state(checkpoint["rng"])
+    return checkpoint["step"]
+
+
 def append_row(path: str, row: dict) -> None:
     """One JSON row at the end of a .jsonl log, flushed: an interrupted run keeps every finished step."""
     with open(path, "a") as f:
