@@ -15,6 +15,7 @@ import tepo
 from tepokit.errors import fail, warn
 from tepokit.helptext import (CLI_HELP, COMMON_FLAGS, EXAMPLES, HELP_GROUPS, field_comments, help_group,
                               paper_values, topic_group)
+from tepokit.model import check_model_dir
 from tepokit.report import check_installed
 from tepokit.resume import check_resumable
 from tepokit.rundir import lock_holder
@@ -169,6 +170,8 @@ def parse_args(Args, argv=None) -> tuple:
         saved, checkpoint_step = check_resumable(args.resume, Args, RUN_ONLY_FIELDS)
         args, obj_overrides = saved_settings(args, obj_overrides, set(given), saved, checkpoint_step)
     check_values(args, obj_overrides)
+    if args.model is not None:
+        check_model_dir(args)
     check_installed(args.report_to)
     for run_dir in {args.out, args.resume} - {None}:       # a live run's directory is refused at once
         holder = lock_holder(run_dir)

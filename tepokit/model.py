@@ -11,7 +11,7 @@ import os
 import torch
 from tqdm.auto import tqdm
 
-from tepokit.errors import fail, warn
+from tepokit.errors import fail, first_line, warn
 from tepokit.hub import cannot_load, use_offline_hub_if_unreachable, without_transformers_bars
 from tepokit.rundir import fingerprint, lock_file, save_pretrained_atomically
 from tepokit.task import format_prompt, task_fingerprint, task_seed
@@ -257,6 +257,46 @@ def use_fused_gelu(model) -> None:
                 setattr(module, name, torch.nn.GELU(approximate="tanh"))
 
 
+# The files a tokenizer is read from, one of which a model directory must hold: without any, transformers
+# makes a tokenizer with no vocabulary (GPT-2's class, holding only its end token).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
+                   "spiece.model")
+
+
+def check_model_dir(args) -> None:
+    """A local --model directory, checked before anything is loaded or written: a config.json that parses, of
+    a causal language model (what AutoModelForCausalLM can load), and tokenizer files. A Hugging Face id is
+    checked once loaded (tokenizer_problem, in load_policy). The first problem found is one line."""
+    path = os.path.expanduser(args.model)
+    if not os.path.isdir(path):
+        return
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    try:
+        with without_transformers_bars():
+            config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    except Exception as e:  # noqa: BLE001 -- a missing or damaged config.json, an unknown model type: one line
+        fail(f"argument --model: {path} has no config.json a model can be built from ({type(e).__name__}: "
+             f"{first_line(e)}); give a Hugging Face model directory (config.json, weights, tokenizer files)")
+    custom = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not custom:
+        fail(f"argument --model: {path} holds a {config.model_type} model ({', '.join(config.architectures or [])}),"
+             " not a causal language model; give a causal LM, such as GPT-2, Qwen2 or Llama")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        fail(f"argument --model: {path} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); save the "
+             "model's tokenizer there too (tokenizer.save_pretrained)")
+
+
+def tokenizer_problem(tokenizer) -> str | None:
+    """What makes a tokenizer unusable for RL, or None: a vocabulary of special tokens only, or no end token
+    (generation could never stop, and padding a batch of prompts needs one)."""
+    if len(tokenizer.get_vocab()) <= len(tokenizer.all_special_tokens):
+        return "has no vocabulary (only special tokens)"
+    if tokenizer.eos_token is None:
+        return "has no end token (eos_token); set one in its tokenizer_config.json"
+    return None
+
+
 def load_policy(path: str, args, device):
     """Model and tokenizer from an id or directory; one-line error if it cannot be had."""
     offline_reason = None if os.path.exists(path) else use_offline_hub_if_unreachable()
@@ -270,6 +310,9 @@ def load_policy(path: str, args, device):
     except Exception as e:  # noqa: BLE001 -- any loading failure is a user-facing one-liner
         cannot_load("model", path, e, offline_reason,
                     "give a local model directory, or run without --model for the built-in tiny model")
+    problem = tokenizer_problem(tokenizer)
+    if problem:
+        fail(f"argument --model: the tokenizer of {path} {problem}; give a model directory with a whole tokenizer")
     tokenizer.padding_side, tokenizer.truncation_side = "left", "left"   # generation needs left padding
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -36,8 +36,22 @@ RUN_FILES = ("config.json", "metrics.jsonl", "details.jsonl", "checkpoint.pt", "
 
 
 def holds_a_run(run_dir: str) -> bool:
-    """Whether a directory holds a run, finished or interrupted (any file a run writes)."""
-    return any(os.path.exists(os.path.join(run_dir, name)) for name in RUN_FILES)
+    """Whether a directory holds a run, finished or interrupted: a file only a run writes, or a config.json that
+    is a run's (it has the run's args), not a model's."""
+    if any(os.path.exists(os.path.join(run_dir, name)) for name in RUN_FILES[1:]):
+        return True
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            return "args" in json.load(f)
+    except (OSError, ValueError, TypeError):      # none, unreadable, not JSON, not an object: not a run's
+        return False
+
+
+def holds_other_files(run_dir: str) -> bool:
+    """Whether a directory that holds no run holds anything but the lock of a run that stopped before writing
+    (a model directory, say): a run is not written among other files, and --overwrite replaces only a run."""
+    return (os.path.isdir(run_dir) and not holds_a_run(run_dir)
+            and any(name != LOCK_FILE for name in os.listdir(run_dir)))
 
 
 def lock_file(path: str, what: str, wait: bool = False):
@@ -66,7 +80,11 @@ def lock_file(path: str, what: str, wait: bool = False):
 def claim_run_dir(run_dir: str, resume: bool, overwrite: bool = False):
     """Make `run_dir` this process's for its lifetime: create it, take its lock, and refuse (one line) a
     directory that holds a finished or interrupted run unless resuming it or told to --overwrite it (then
-    the old run's files are removed, under the lock). Returns the lock; closing it releases the directory."""
+    the old run's files are removed, under the lock). Returns the lock; closing it releases the directory.
+    A directory that holds other files and no run is refused, and left as it is."""
+    if holds_other_files(run_dir):
+        fail(f"argument --out: {run_dir} holds files and no run of train_small.py (a model directory?); nothing "
+             "in it is replaced, not even with --overwrite; choose a new or empty directory")
     os.makedirs(run_dir, exist_ok=True)
     sync_folder(os.path.dirname(os.path.abspath(run_dir)))     # the new directory's name on the disk
     lock = lock_file(os.path.join(run_dir, LOCK_FILE), f"run directory {run_dir}")

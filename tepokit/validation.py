@@ -17,7 +17,7 @@ import tepo
 from tepokit.errors import fail, warn
 from tepokit.forward import rows_per_minibatch
 from tepokit.report import TRACKERS, valid_report_to
-from tepokit.rundir import holds_a_run
+from tepokit.rundir import holds_a_run, holds_other_files
 from tepokit.task import arithmetic_task_size, hidden_type_task_size
 
 # ---- valid values of every flag --------------------------------------------------------------------
@@ -234,6 +234,9 @@ RELATIONS = [
     ("out", "a directory that holds no run yet; continue the run in it with --resume {out}, or add --overwrite "
      "to replace it", lambda a: a.resume or a.compare or a.bench or a.out is None or a.overwrite
      or not holds_a_run(a.out)),
+    ("out", "a new or empty directory, or one that holds a run of train_small.py: this one holds other files (a "
+     "model directory?), and nothing in it is replaced, not even with --overwrite",
+     lambda a: a.resume or a.compare or a.bench or a.out is None or not holds_other_files(a.out)),
 ]
 
 

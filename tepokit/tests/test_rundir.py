@@ -208,6 +208,24 @@ def test_a_finished_run_is_not_overwritten_unless_asked(workdir):
     assert not Path(out, "details.jsonl").exists()             # the old run's files are gone, not mixed in
 
 
+def test_an_out_that_holds_a_model_is_refused_and_left_alone_even_with_overwrite(workdir, tmp_path):
+    """A Hugging Face model directory (config.json, model.safetensors) is not a run: as --out it is refused in one
+    line that says so, with or without --overwrite, and keeps its files; an empty directory is taken."""
+    model_dir = tmp_path / "model"
+    from tepokit.model import build_char_tokenizer, build_tiny_model
+    build_tiny_model(ts.Args(n_layer=1, n_embd=32, n_head=2), build_char_tokenizer(["1+2"])).save_pretrained(model_dir)
+    before = snapshot(model_dir)
+    for extra in ([], ["--overwrite"]):
+        line = assert_refused_in_one_line([*MICRO, "--out", str(model_dir), *extra], "--out", "holds other files")
+        assert "holds a run already" not in line
+    with pytest.raises(SystemExit):       # the run directory's own check, for callers that skip the flags' one
+        rundir.claim_run_dir(str(model_dir), resume=False, overwrite=True)
+    assert snapshot(model_dir) == before
+    (tmp_path / "empty").mkdir()
+    run_main([*MICRO, "--objective", "grpo", "--steps", "1", "--out", str(tmp_path / "empty")])
+    assert rundir.holds_a_run(str(tmp_path / "empty")) and not rundir.holds_a_run(str(model_dir))
+
+
 def test_resume_refuses_a_data_set_edited_since_the_run_started(workdir, tmp_path, capsys):
     data = tmp_path / "data.jsonl"
     rows = [{"question": f"What is {a} plus {b}?", "answer": f"#### {a + b}"} for a in range(1, 8) for b in range(1, 4)]
