@@ -1,4 +1,7 @@
 """tepokit/compare.py: --compare, its table and its paired differences."""
+import contextlib
+import glob
+import io
 import json
 import math
 import os
@@ -93,3 +96,39 @@ def test_paired_block_with_one_seed_has_no_interval_and_skips_unreached_targets(
     lines = paired_table({"tepo": paired}, args, [1])
     assert "| tepo | final held-out accuracy gain (points) | +3.5 | +3.5 | none (1 seed) | 1 |" in lines
     assert "| tepo | steps to target accuracy | not reached | - | none (0 seeds) | 0 |" in lines
+
+
+def compare_refusal(argv) -> str:
+    """The one line a --compare command is refused with (exit status 2)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as refused:
+        ts.main(argv)
+    lines = err.getvalue().strip().splitlines()
+    assert refused.value.code == 2 and len(lines) == 1 and lines[0].startswith("train_small.py: error: "), lines
+    return lines[0]
+
+
+def files(folder="runs/cmp_same") -> dict:
+    """Every file below `folder` and its bytes."""
+    return {p: open(p, "rb").read() for p in glob.glob(f"{folder}/**", recursive=True) if os.path.isfile(p)}
+
+
+def test_a_rerun_into_the_same_out_reuses_only_runs_of_the_same_settings(workdir):
+    """A changed --lr or --pass-k is refused in one line naming the run and the settings, before anything runs or
+    changes; an interrupted run of other settings is not resumed either; a damaged sub-run is named in one line."""
+    argv = [*MICRO, "--compare", "grpo", "--steps", "2", "--out", "runs/cmp_same"]
+    run_main(argv)
+    before = files()
+    line = compare_refusal([*argv, "--lr", "2e-3"])
+    assert "runs/cmp_same/grpo__1 holds a run of other settings (--lr 0.001 there, 0.002 now)" in line, line
+    assert "--pass-k 2 there, 3 now" in compare_refusal([*argv, "--pass-k", "3"])
+    assert "--beta 0.04 there, 0.1 now" in compare_refusal([*argv, "--beta", "0.1"])
+    assert files() == before
+    os.remove("runs/cmp_same/grpo__1/summary.json")          # as if interrupted after its last checkpoint
+    before = files()
+    assert "(--lr 0.001 there, 0.002 now)" in compare_refusal([*argv, "--lr", "2e-3"])
+    assert files() == before
+    run_main(argv)                                            # the same settings: resumed and finished
+    open("runs/cmp_same/grpo__1/summary.json", "w").close()   # emptied
+    line = compare_refusal(argv)
+    assert "runs/cmp_same/grpo__1/summary.json is damaged (JSONDecodeError" in line, line
