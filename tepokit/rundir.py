@@ -252,8 +252,10 @@ def write_atomically(path: str, write) -> None:
             f.flush()
             os.fsync(f.fileno())       # the data on the disk before the name points at them
         os.replace(tmp, path)
-    except BaseException:          # an exception or Ctrl-C: no temp file left behind
+    except BaseException as e:     # an exception or Ctrl-C: no temp file left behind
         os.remove(tmp)
+        if isinstance(e, OSError):
+            raise with_path(e, path) from e
         raise
     sync_folder(folder)                # the rename on the disk
 
@@ -274,7 +276,7 @@ def save_checkpoint(run_dir: str, model, optimizer, step: int, identity: dict) -
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng_state(),
                         "step": step, "identity": identity}, f)
         except RuntimeError as e:     # torch reports a failed write ("PytorchStreamWriter failed writing file")
-            raise OSError(errno.EIO, f"the write failed ({first_line(e)}): is the disk full?", path) from e
+            raise OSError(errno.EIO, f"the write failed ({first_line(e)})", path) from e
         time.sleep(float(os.environ.get("TEPO_TEST_CHECKPOINT_SLEEP", 0)))
     write_atomically(path, write)
 
@@ -290,10 +292,20 @@ def load_checkpoint(run_dir: str, model, optimizer) -> int:
 
 
 def append_row(path: str, row: dict) -> None:
-    """One JSON row at the end of a .jsonl log, flushed: an interrupted run keeps every finished step."""
-    with open(path, "a") as f:
-        f.write(to_json(row) + "\n")
-        f.flush()
+    """One JSON row at the end of a .jsonl log, flushed: an interrupted run keeps every finished step. A failed
+    write (a full disk) names the log, so that the one line said of it names the file and the resume command."""
+    try:
+        with open(path, "a") as f:
+            f.write(to_json(row) + "\n")
+            f.flush()
+    except OSError as e:
+        raise with_path(e, path) from e
+
+
+def with_path(e: OSError, path: str) -> OSError:
+    """`e` itself if it names its file; else the same error naming `path` (a write or flush on an open file
+    raises without the file's name)."""
+    return e if e.filename else OSError(e.errno, e.strerror or first_line(e), path)
 
 
 class DamagedLog(ValueError):

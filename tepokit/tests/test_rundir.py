@@ -322,8 +322,47 @@ def test_a_failed_checkpoint_write_keeps_the_previous_checkpoint_and_resume_work
     from tepokit.errors import os_error_line
     line = os_error_line(failure.value)
     assert "checkpoint.pt" in line and f"--resume {out}" in line and "\n" not in line
+    assert line.count("full?") == 1, line                       # the disk's question asked once
     assert torch.load(Path(out, "checkpoint.pt"), weights_only=True)["step"] == 1
     assert not [n for n in os.listdir(out) if n.startswith(".checkpoint.pt-")]   # no temp file left
+    run_main(["--resume", out])
+    assert [r["step"] for r in read_rows(out)] == [0, 1, 2, 3]
+
+
+def test_a_full_disk_during_a_log_append_names_the_log_and_the_resume_command(workdir, monkeypatch):
+    """The disk fills while step 2's row is appended to metrics.jsonl: the one line names the log and the
+    --resume command (the write on an open file raises without a file name), and --resume goes on."""
+    out, real_open = "runs/full_log", open
+
+    class FullDisk:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            if '"step": 2' in text:
+                raise OSError(28, "No space left on device")
+            return self.f.write(text)
+
+        def flush(self):
+            self.f.flush()
+
+    def full_open(path, mode="r", *a, **k):
+        f = real_open(path, mode, *a, **k)
+        return FullDisk(f) if str(path).endswith("metrics.jsonl") and mode == "a" else f
+    monkeypatch.setattr(rundir, "open", full_open, raising=False)
+    with pytest.raises(OSError) as failure:
+        run_main([*MICRO, "--objective", "grpo", "--steps", "3", "--out", out])
+    monkeypatch.undo()
+    from tepokit.errors import os_error_line
+    assert os_error_line(failure.value) == (f"could not write or read {out}/metrics.jsonl: No space left on device; "
+                                            f"free some space on that disk; the last checkpoint is intact: continue "
+                                            f"with python train_small.py --resume {out}")
     run_main(["--resume", out])
     assert [r["step"] for r in read_rows(out)] == [0, 1, 2, 3]
 
