@@ -169,7 +169,7 @@ def parse_args(Args, argv=None) -> tuple:
     if args.resume:
         saved, checkpoint_step = check_resumable(args.resume, Args, RUN_ONLY_FIELDS)
         args, obj_overrides = saved_settings(args, obj_overrides, set(given), saved, checkpoint_step)
-    check_values(args, obj_overrides)
+    check_values(args, obj_overrides, None if args.resume else set(given))
     if args.model is not None:
         check_model_dir(args)
     check_installed(args.report_to)

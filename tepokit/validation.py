@@ -299,9 +299,10 @@ def converter(kinds: dict, name: str):
     return convert
 
 
-def check_values(args, obj_overrides: dict) -> None:
+def check_values(args, obj_overrides: dict, given: set[str] | None = None) -> None:
     """Every value on its own (VALID), the objective settings (tepo.check_config) and the relations
-    between flags (RELATIONS); the first problem found ends the program in one line."""
+    between flags (RELATIONS); the first problem found ends the program in one line. `given`, the flags on the
+    command line, lets a relation's refusal say when the value it names is a default (not_given)."""
     kinds = field_kinds(type(args))
     values = [(f.name, getattr(args, f.name)) for f in dataclasses.fields(args)] + list(obj_overrides.items())
     for name, value in values:
@@ -325,8 +326,19 @@ def check_values(args, obj_overrides: dict) -> None:
     sizes = {"rows_per_minibatch": rows_per_minibatch(args), "builtin_task_size": builtin_task_size(args)}
     for name, valid, test in RELATIONS:
         if not test(args):
-            fail(f"argument {flag(name)}: invalid value {getattr(args, name)!r}; choose "
+            fail(f"argument {flag(name)}: invalid value {getattr(args, name)!r}{not_given(args, name, given)}; choose "
                  + valid.format(**dataclasses.asdict(args), **sizes))
+
+
+def not_given(args, name: str, given: set[str] | None) -> str:
+    """', its default (the flag was not given)' when a relation fails on a value the user did not write: said,
+    so that a refusal that names --mini-batches after --prompts-per-step 1 does not read as a typo. '' when
+    the flag was given, or when the caller does not know (given None)."""
+    if given is None or name in given:
+        return ""
+    if getattr(args, name) == type(args).__dataclass_fields__[name].default:
+        return ", its default (the flag was not given)"
+    return ", set by a preset (--task, --regime, --demo or --bench-shape; the flag was not given)"
 
 
 def warn_ignored(args, obj_overrides: dict) -> None:

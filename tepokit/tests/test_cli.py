@@ -312,6 +312,15 @@ def test_saved_settings_are_kept_on_resume_with_the_run_only_fields_given():
     assert overrides == {"beta": 0.1}
 
 
+@pytest.mark.parametrize("given, refused, value", [(["--prompts-per-step", "1"], "--mini-batches", 2),
+                                                   (["--max-new-tokens", "1"], "--overlong-cache", 6)])
+def test_a_default_that_a_given_flag_rules_out_is_said_to_be_a_default(given, refused, value):
+    line = assert_refused_in_one_line(given, f"argument {refused}: invalid value {value}, its default (the flag was "
+                                             "not given); choose an integer in 1..1")
+    explicit = assert_refused_in_one_line([*given, refused, str(value)], f"argument {refused}: invalid value {value};")
+    assert "default" not in explicit and line != explicit
+
+
 def test_resume_keeps_the_runs_cache_dir_unless_it_is_given_again():
     """The resume command a run prints is --resume <dir> alone: the run's --cache-dir comes from its config.json,
     so the resumed run finds its warm-up model instead of warming up again into runs/cache."""
