@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from tepokit.errors import fail, first_line, warn
 from tepokit.hub import cannot_load, use_offline_hub_if_unreachable, without_transformers_bars
 from tepokit.rundir import fingerprint, lock_file, save_pretrained_atomically
-from tepokit.task import format_prompt, task_fingerprint, task_seed
+from tepokit.task import format_prompt, task_fingerprint, task_key, task_seed
 
 END = "<|endoftext|>"   # end of sequence AND padding, as in GPT-2: the end token must still be trained
 
@@ -64,10 +64,17 @@ def build_tiny_model(args, tokenizer):
     return model
 
 
+BUILTIN_TOKENIZERS: dict[tuple, object] = {}     # (task_key, vocab_size) -> tokenizer: the memory plan's is reused
+
+
 def builtin_tokenizer(task, vocab_size: int | None = None):
-    """The built-in task's character tokenizer (the characters of its texts), padded to vocab_size if given."""
-    return build_char_tokenizer(list(task["train"]["question"]) + list(task["train"]["answer"])
-                                + list(task["test"]["question"]), vocab_size)
+    """The built-in task's character tokenizer (the characters of its texts), padded to vocab_size if given.
+    Made once per task: reading every text of a large data set takes seconds."""
+    key = (task_key(task), vocab_size)
+    if key not in BUILTIN_TOKENIZERS:
+        BUILTIN_TOKENIZERS[key] = build_char_tokenizer(list(task["train"]["question"]) + list(task["train"]["answer"])
+                                                       + list(task["test"]["question"]), vocab_size)
+    return BUILTIN_TOKENIZERS[key]
 
 
 # What determines the warmed-up built-in model, besides the code: these settings and the task seed.

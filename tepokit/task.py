@@ -358,11 +358,23 @@ def score_completions(texts: list[str], golds: list) -> tuple[torch.Tensor, torc
     return torch.tensor(strict), torch.tensor(lenient)
 
 
+def task_key(task) -> tuple:
+    """What names a loaded task for the values computed from it once (task_fingerprint, the built-in tokenizer):
+    each split's fingerprint in the datasets library, which a change to its rows changes."""
+    return tuple((split, task[split]._fingerprint) for split in sorted(task))
+
+
+FINGERPRINTS: dict[tuple, str] = {}      # task_key -> task_fingerprint: reading every record once per task
+
+
 def task_fingerprint(task) -> str:
     """A content hash of the task's records (every split's questions and answers): the data's identity,
     which a resumed run checks (an edited data set is refused) and the warm-up cache's key includes."""
-    digest = hashlib.sha256()
-    for split in sorted(task):
-        for column in ("question", "answer"):
-            digest.update(json.dumps([split, column, list(task[split][column])]).encode())
-    return digest.hexdigest()[:16]
+    key = task_key(task)
+    if key not in FINGERPRINTS:
+        digest = hashlib.sha256()
+        for split in sorted(task):
+            for column in ("question", "answer"):
+                digest.update(json.dumps([split, column, list(task[split][column])]).encode())
+        FINGERPRINTS[key] = digest.hexdigest()[:16]
+    return FINGERPRINTS[key]

@@ -270,6 +270,21 @@ def test_a_micro_run_prints_no_warning_and_no_transformers_bar(tmp_path):
         assert [line for line in lines if re.search(r"Loading|Writing model shards|Fetching", line)] == [], engine
 
 
+def test_the_built_in_tokenizer_and_the_fingerprint_of_a_task_are_made_once_per_content(monkeypatch):
+    """The memory plan, the warm-up cache's key and the run's identity all need them; on a 50,000-row data set each
+    takes seconds. A task whose rows change gets its own."""
+    from tepokit.task import task_fingerprint
+    task = load_task(ts.Args(n_train=300, n_test=50, difficulty=6))
+    made, real = [], model_module.build_char_tokenizer
+    monkeypatch.setattr(model_module, "build_char_tokenizer", lambda *a: made.append(a) or real(*a))
+    fingerprint = task_fingerprint(task)
+    assert builtin_tokenizer(task) is builtin_tokenizer(task) and len(made) == 1
+    assert task_fingerprint(task) == fingerprint
+    task["train"] = task["train"].select(range(100))
+    builtin_tokenizer(task)
+    assert len(made) == 2 and task_fingerprint(task) != fingerprint
+
+
 def broken_model_dir(path, broken: str) -> str:
     """A model directory of the micro model with one thing wrong: no tokenizer files, a tokenizer without an
     end token, or the config of an architecture that is not a causal LM (T5)."""
