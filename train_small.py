@@ -566,13 +566,13 @@ def train(args: Args, obj_overrides: dict) -> dict:
         for step in bar:
             t0 = time.time()
             with stops_on_divergence(step, run):      # a non-finite loss, gradient or weight ends the run here,
-                row, details_row = rl_step(run, step)
-            check_finite(step, row, run)              # before anything of the step is saved (tepokit/divergence.py)
-            if step % args.eval_every == 0:
-                row.update(evaluate(run.model, run.tokenizer, run.test_set, args, run.device))
-            elif step == args.steps:   # the final evaluation, off the schedule, leaves the RNG as it found it,
-                with torch.random.fork_rng():   # so a run extended later (--resume --steps) equals an uninterrupted one
+                row, details_row = rl_step(run, step)  # before anything of the step is saved (tepokit/divergence.py)
+                check_finite(step, row, run)
+                if step % args.eval_every == 0:
                     row.update(evaluate(run.model, run.tokenizer, run.test_set, args, run.device))
+                elif step == args.steps:   # the final evaluation, off the schedule, leaves the RNG as it found it,
+                    with torch.random.fork_rng():   # so a run extended later (--resume --steps) equals an unbroken one
+                        row.update(evaluate(run.model, run.tokenizer, run.test_set, args, run.device))
             row.update({"timing/eval": time.time() - t0 - row["step_time"], "step_time": time.time() - t0,
                         "perf/peak_memory_mb": peak_memory_mb(run.device)})
             rundir.append_row(os.path.join(run.run_dir, "metrics.jsonl"), row)

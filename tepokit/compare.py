@@ -66,7 +66,11 @@ def run_or_resume(args, objective: str, seed: int, run_dir: str, train, obj_over
     run = dataclasses.replace(args, objective=objective, seed=seed, compare=None, out=run_dir)
     if os.path.exists(os.path.join(run_dir, "summary.json")):
         wall = read_part(os.path.join(run_dir, "summary.json"), "wall_seconds")
-        return write_summary(run_dir, read_log(os.path.join(run_dir, "metrics.jsonl")), run, wall)
+        rows = read_log(os.path.join(run_dir, "metrics.jsonl"))
+        if not any("eval/accuracy" in r for r in rows):
+            fail(f"--compare: {os.path.join(run_dir, 'metrics.jsonl')} is missing or holds no evaluation; move "
+                 f"{run_dir} away and the same command runs it again (nothing was changed)")
+        return write_summary(run_dir, rows, run, wall)
     if os.path.exists(os.path.join(run_dir, "checkpoint.pt")):
         return train(dataclasses.replace(run, resume=run_dir), obj_overrides)
     return train(dataclasses.replace(run, overwrite=True), obj_overrides)    # nothing to keep before checkpoint 0

@@ -41,9 +41,14 @@ def check_finite(step: int, row: dict, run) -> None:
     for key in ("loss", "grad_norm"):
         if key in row and not math.isfinite(row[key]):
             raise diverged(step, f"its {key} is {row[key]}", run)
-    bad = [name for name, p in run.model.named_parameters() if not bool(p.isfinite().all())]
+    bad = non_finite_weights(run.model)
     if bad:
         raise diverged(step, f"{len(bad)} weight tensors hold NaN or infinity, {bad[0]} the first", run)
+
+
+def non_finite_weights(model) -> list[str]:
+    """The names of the model's weight tensors that hold a NaN or an infinity."""
+    return [name for name, p in model.named_parameters() if not bool(p.isfinite().all())]
 
 
 @contextlib.contextmanager

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 
 import torch
 from tqdm.auto import tqdm
 
+from tepokit.divergence import Diverged, non_finite_weights
 from tepokit.errors import fail, first_line, warn
 from tepokit.hub import cannot_load, use_offline_hub_if_unreachable, without_transformers_bars
 from tepokit.rundir import fingerprint, lock_file, save_pretrained_atomically
@@ -202,19 +204,28 @@ def supervised_warmup(model, tokenizer, train_split, args, device):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.9 * s / max(1, args.warmup_steps))
     model.train()
     bar = tqdm(range(args.warmup_steps), desc="warm-up", dynamic_ncols=True)
-    for _ in bar:
+    for step in bar:
         idx = torch.randint(len(train_split), (args.warmup_batch,), generator=gen).tolist()
         rows = train_split.select(idx)
         ids, attn, labels = sft_batch(tokenizer, list(rows["question"]), warmup_texts(rows), device,
                                       args.max_prompt_tokens, builtin_positions(args))
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        if not math.isfinite(loss.item()):      # the weights are gone: nothing of them is cached
+            raise warmup_diverged(f"warm-up step {step + 1}: its loss is {loss.item()}", args)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         bar.set_postfix(loss=f"{loss.item():.3f}")
+    if non_finite_weights(model):
+        raise warmup_diverged(f"the warm-up's last step left {non_finite_weights(model)[0]} non-finite", args)
     model.eval()
+
+
+def warmup_diverged(what: str, args) -> Diverged:
+    return Diverged(f"{what}, at --warmup-lr {args.warmup_lr:g}; nothing was cached; start again with a lower "
+                    "--warmup-lr")
 
 
 def prepare_start_model(args, task, device) -> str:

@@ -36,9 +36,9 @@ RUN_FILES = ("config.json", "metrics.jsonl", "details.jsonl", "checkpoint.pt", "
 
 
 def holds_a_run(run_dir: str) -> bool:
-    """Whether a directory holds a run, finished or interrupted: a file only a run writes, or a config.json that
-    is a run's (it has the run's args), not a model's."""
-    if any(os.path.exists(os.path.join(run_dir, name)) for name in RUN_FILES[1:]):
+    """Whether a directory holds a run, finished or interrupted: a log or checkpoint, or a config.json that is a
+    run's (it has the run's args), not a model's. (A summary.json alone is --compare's, not a run's.)"""
+    if any(os.path.exists(os.path.join(run_dir, name)) for name in ("metrics.jsonl", "details.jsonl", "checkpoint.pt")):
         return True
     try:
         with open(os.path.join(run_dir, "config.json")) as f:
@@ -176,6 +176,8 @@ def save_pretrained_atomically(model, tokenizer, final_dir: str) -> None:
         code = re.search(r"os error (\d+)", str(e))     # safetensors reports the OS's error in its own type
         if code and not isinstance(e, OSError):
             raise OSError(int(code[1]), first_line(e), final_dir) from e
+        if isinstance(e, OSError):
+            raise with_path(e, final_dir) from e
         raise
     if os.path.isdir(final_dir):       # someone else finished first, or an old copy: replace it
         shutil.rmtree(final_dir)
@@ -208,6 +210,8 @@ def sync_file(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:               # a full disk can surface here, where the error names no file
+        raise with_path(e, path) from e
     finally:
         os.close(fd)
 

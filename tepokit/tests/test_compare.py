@@ -132,3 +132,6 @@ def test_a_rerun_into_the_same_out_reuses_only_runs_of_the_same_settings(workdir
     open("runs/cmp_same/grpo__1/summary.json", "w").close()   # emptied
     line = compare_refusal(argv)
     assert "runs/cmp_same/grpo__1/summary.json is damaged (JSONDecodeError" in line, line
+    json.dump({"wall_seconds": 1.0}, open("runs/cmp_same/grpo__1/summary.json", "w"))
+    os.remove("runs/cmp_same/grpo__1/metrics.jsonl")
+    assert "runs/cmp_same/grpo__1/metrics.jsonl is missing or holds no evaluation" in compare_refusal(argv)

@@ -81,3 +81,13 @@ def test_other_errors_are_not_taken_for_divergence(workdir, monkeypatch):
     monkeypatch.setattr(ts, "rl_step", rl_step)
     with pytest.raises(RuntimeError, match="illegal memory access"):
         ts.main([*MICRO, "--objective", "grpo", "--steps", "1", "--out", "runs/not_diverged"])
+
+
+def test_a_warm_up_that_diverges_stops_in_one_line_and_caches_nothing(tmp_path):
+    with pytest.raises(Diverged) as diverged:
+        ts.main([*MICRO, "--warmup-lr", "1e6", "--steps", "1", "--out", str(tmp_path / "run"), "--cache-dir",
+                 str(tmp_path / "cache")])
+    assert diverged.value.message.startswith("warm-up step ") and "at --warmup-lr 1e+06; nothing was cached; start " \
+        "again with a lower --warmup-lr" in diverged.value.message, diverged.value.message
+    assert [p for p in os.listdir(tmp_path / "cache") if not p.endswith(".lock")] == []
+    assert not os.path.exists(tmp_path / "run")

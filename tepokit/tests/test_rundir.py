@@ -226,6 +226,18 @@ def test_an_out_that_holds_a_model_is_refused_and_left_alone_even_with_overwrite
     assert rundir.holds_a_run(str(tmp_path / "empty")) and not rundir.holds_a_run(str(model_dir))
 
 
+def test_an_out_that_holds_a_comparison_is_not_taken_for_a_run(tmp_path):
+    """--compare's directory (summary.json, summary.md, its runs below) is not a run: --overwrite would remove its
+    summary.json and mix a run's files in; refused in one line, and left as it is."""
+    (tmp_path / "cmp" / "grpo__1").mkdir(parents=True)
+    (tmp_path / "cmp" / "summary.json").write_text(json.dumps({"seeds": [1], "objectives": {}}))
+    (tmp_path / "cmp" / "summary.md").write_text("| objective |\n")
+    before = snapshot(tmp_path / "cmp")
+    for extra in ([], ["--overwrite"]):
+        assert_refused_in_one_line([*MICRO, "--out", str(tmp_path / "cmp"), *extra], "--out", "holds other files")
+    assert snapshot(tmp_path / "cmp") == before and not rundir.holds_a_run(str(tmp_path / "cmp"))
+
+
 def test_resume_refuses_a_data_set_edited_since_the_run_started(workdir, tmp_path, capsys):
     data = tmp_path / "data.jsonl"
     rows = [{"question": f"What is {a} plus {b}?", "answer": f"#### {a + b}"} for a in range(1, 8) for b in range(1, 4)]
@@ -365,6 +377,24 @@ def test_a_full_disk_during_a_log_append_names_the_log_and_the_resume_command(wo
                                             f"with python train_small.py --resume {out}")
     run_main(["--resume", out])
     assert [r["step"] for r in read_rows(out)] == [0, 1, 2, 3]
+
+
+def test_every_failed_write_names_its_file(tmp_path, monkeypatch):
+    """Errors raised on an open file or descriptor (write, flush, fsync) name no file: the policy's save, an
+    atomic write and a sync each give it theirs, for the one line that names it."""
+    class FullModel:
+        def save_pretrained(self, path):
+            raise OSError(28, "No space left on device")
+    with pytest.raises(OSError) as failure:
+        rundir.save_pretrained_atomically(FullModel(), None, str(tmp_path / "policy"))
+    assert failure.value.filename == str(tmp_path / "policy") and failure.value.errno == 28
+
+    def full_fsync(fd):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full_fsync)
+    with pytest.raises(OSError) as failure:
+        write_atomically(str(tmp_path / "summary.json"), lambda f: f.write(b"{}"))
+    assert failure.value.filename == str(tmp_path / "summary.json") and not os.listdir(tmp_path)
 
 
 def test_a_file_size_limit_is_one_line_in_a_real_process(tmp_path):
