@@ -331,6 +331,10 @@ def load_policy(path: str, args, device):
     problem = tokenizer_problem(tokenizer)
     if problem:
         fail(f"argument --model: the tokenizer of {path} {problem}; give a model directory with a whole tokenizer")
+    bad = non_finite_weights(model)    # a run from them could only diverge, and would checkpoint them at step 0
+    if bad:
+        fail(f"argument --model: {path} holds NaN or infinite weights, in {len(bad)} of its tensors ({bad[0]} the "
+             "first); give a model whose weights are finite")
     tokenizer.padding_side, tokenizer.truncation_side = "left", "left"   # generation needs left padding
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

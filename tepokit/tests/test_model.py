@@ -287,7 +287,7 @@ def test_the_built_in_tokenizer_and_the_fingerprint_of_a_task_are_made_once_per_
 
 def broken_model_dir(path, broken: str) -> str:
     """A model directory of the micro model with one thing wrong: no tokenizer files, a tokenizer without an
-    end token, or the config of an architecture that is not a causal LM (T5)."""
+    end token, the config of an architecture that is not a causal LM (T5), or a NaN weight."""
     tokenizer = build_char_tokenizer(["What is 1 plus 2?\n#### 3"])
     if broken == "not a causal LM":
         from transformers import T5Config
@@ -295,6 +295,12 @@ def broken_model_dir(path, broken: str) -> str:
         tokenizer.save_pretrained(path)
         return str(path)
     build_tiny_model(ts.Args(n_layer=1, n_embd=32, n_head=2), tokenizer).save_pretrained(path)
+    if broken == "NaN weights":
+        from safetensors.torch import load_file, save_file
+        weights = load_file(os.path.join(path, "model.safetensors"))
+        next(iter(weights.values()))[0] = float("nan")
+        save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(path)
     if broken == "a tokenizer without an end token":
         from tokenizers import Tokenizer, models, pre_tokenizers
         from transformers import PreTrainedTokenizerFast
@@ -307,7 +313,8 @@ def broken_model_dir(path, broken: str) -> str:
 @pytest.mark.parametrize("broken, needle", [
     ("no tokenizer files", "has no tokenizer files (tokenizer.json, tokenizer_config.json, vocab.json, ...)"),
     ("a tokenizer without an end token", "has no end token (eos_token)"),
-    ("not a causal LM", "holds a t5 model (), not a causal language model")])
+    ("not a causal LM", "holds a t5 model (), not a causal language model"),
+    ("NaN weights", "holds NaN or infinite weights, in 1 of its tensors (")])
 def test_a_broken_model_directory_is_refused_in_one_line_before_the_run_directory_is_made(tmp_path, broken, needle):
     """Each problem found before the run directory is claimed: one line, exit status 2, no --out created, so
     the same command runs once the directory is fixed (no "holds a run" refusal, no run to --resume)."""
