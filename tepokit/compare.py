@@ -9,6 +9,7 @@ import os
 import time
 
 from tepokit.cli import RUN_ONLY_FIELDS, command_line, objective_config
+from tepokit.divergence import Diverged
 from tepokit.errors import fail, first_line
 from tepokit.resume import DEFAULTS_OF_OLDER_CONFIGS
 from tepokit.rundir import read_log, write_atomically, write_json
@@ -43,6 +44,11 @@ def compare_objectives(args, obj_overrides: dict, train) -> None:
                 stop.message = (f"--compare stopped in {run_dir_of(out, name, seed)} with {finished} of "
                                 f"{len(run_dirs)} runs finished; go on with: "
                                 f"{command_line(args, obj_overrides, out=out)}")
+                raise
+            except Diverged as diverged:    # a lower --lr is another comparison, not this run's --overwrite
+                diverged.message = (f"{run_dir_of(out, name, seed)}: {diverged.message.split(';')[0]}; nothing of "
+                                    "that step was saved; start the comparison again with a lower --lr and another "
+                                    "--out")
                 raise
     table, paired = objective_means(results, args), paired_differences(results, args)
     write_json(os.path.join(out, "summary.json"), {"seeds": seeds, "baseline": args.baseline,

@@ -135,3 +135,18 @@ def test_a_rerun_into_the_same_out_reuses_only_runs_of_the_same_settings(workdir
     json.dump({"wall_seconds": 1.0}, open("runs/cmp_same/grpo__1/summary.json", "w"))
     os.remove("runs/cmp_same/grpo__1/metrics.jsonl")
     assert "runs/cmp_same/grpo__1/metrics.jsonl is missing or holds no evaluation" in compare_refusal(argv)
+
+
+def test_a_run_that_diverges_ends_the_comparison_in_one_line_that_says_what_to_do(workdir, monkeypatch):
+    from tepokit.divergence import Diverged
+    real_rl_step = ts.rl_step
+
+    def rl_step(run, step):
+        row, details = real_rl_step(run, step)
+        return {**row, "loss": math.nan}, details
+    monkeypatch.setattr(ts, "rl_step", rl_step)
+    with pytest.raises(Diverged) as diverged:
+        ts.main([*MICRO, "--compare", "grpo", "--steps", "1", "--out", "runs/cmp_diverged"])
+    assert diverged.value.message == ("runs/cmp_diverged/grpo__1: step 1: its loss is nan, at --lr 0.001; nothing of "
+                                      "that step was saved; start the comparison again with a lower --lr and another "
+                                      "--out")
