@@ -261,6 +261,9 @@ def read_json_task(path: str) -> list[dict]:
             fail(f"dataset {path}, line {e.lineno}: not valid JSON ({e.msg}, column {e.colno}); a .json data set "
                  f"is one JSON array of objects with {FIELDS}")
         rows = [check_row(row, f"dataset {path}, row {number}") for number, row in enumerate(array, 1)]
+    elif path.endswith(".json") and text.lstrip().startswith("{") and "\n" in text.strip() and whole_object(text):
+        fail(f"dataset {path}: holds one JSON object (keys: {', '.join(list(whole_object(text))[:5])}); a .json data "
+             f"set is a JSON array of objects, or one object per line, with {FIELDS}")
     else:
         rows = []
         for number, line in enumerate(text.split("\n"), 1):
@@ -275,6 +278,15 @@ def read_json_task(path: str) -> list[dict]:
     if not rows:
         fail(f"dataset {path}: no rows; each line must be one JSON object with {FIELDS}")
     return rows
+
+
+def whole_object(text: str) -> dict | None:
+    """The JSON object that a whole text is, if it is one (a .json file pretty-printed over several lines)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def check_row(row, where: str) -> dict:

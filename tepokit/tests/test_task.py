@@ -135,6 +135,7 @@ def test_malformed_jsonl_is_reported_by_file_and_line(tmp_path):
     ("d.json", '[{"question": "q", "answer": "#### 1"}, 7]', ("row 2", "needs a JSON object")),
     ("d.json", '[{"question": "q", "answer": "#### 1"},]', ("line 1", "not valid JSON")),
     ("d.json", '{"question": "q", "answer": null}\n', ("line 1", "answer must be text, got NoneType")),
+    ("d.json", '{\n  "data": [{"question": "q", "answer": "#### 1"}]\n}\n', ("holds one JSON object (keys: data)",)),
     ("d.jsonl", '{"question": ["q"], "answer": "#### 1"}\n', ("line 1", "question must be text, got list")),
 ])
 def test_every_json_format_gets_the_same_field_checks(tmp_path, name, text, needles):
