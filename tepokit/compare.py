@@ -31,8 +31,8 @@ def compare_objectives(args, obj_overrides: dict, train) -> None:
     run_dirs = [run_dir_of(out, name, seed) for seed in seeds for name, _ in entries]
     for seed in seeds:      # before anything runs: the runs already in --out must be the ones asked for
         for name, (objective, overrides) in entries:
-            check_same_settings(dataclasses.replace(args, objective=objective, seed=seed, compare=None,
-                                                    out=run_dir_of(out, name, seed)), {**obj_overrides, **overrides})
+            check_same_settings(run_args(args, objective, seed, run_dir_of(out, name, seed)),
+                                {**obj_overrides, **overrides})
     results = {}
     for seed in seeds:      # seed-major: early results cover every objective
         for name, (objective, overrides) in entries:
@@ -64,12 +64,17 @@ def run_dir_of(out: str, name: str, seed: int) -> str:
     return os.path.join(out, f"{name.replace(':', '_')}__{seed}")
 
 
+def run_args(args, objective: str, seed: int, run_dir: str):
+    """The settings of one run of the comparison: --compare's, for one objective and seed, in its run directory."""
+    return dataclasses.replace(args, objective=objective, seed=seed, compare=None, out=run_dir)
+
+
 def run_or_resume(args, objective: str, seed: int, run_dir: str, train, obj_overrides: dict) -> dict:
     """One run of the comparison, or what is left of it. Rerunning the same --compare command (same --out)
     goes on where it stopped: a finished run is read back (summarised again from its log), an interrupted
     one resumes from its checkpoint, and one stopped before its first checkpoint starts again. So a long
     comparison can also be split across processes (one --compare per subset), then assembled by a last call."""
-    run = dataclasses.replace(args, objective=objective, seed=seed, compare=None, out=run_dir)
+    run = run_args(args, objective, seed, run_dir)
     if os.path.exists(os.path.join(run_dir, "summary.json")):
         wall = read_part(os.path.join(run_dir, "summary.json"), "wall_seconds")
         rows = read_log(os.path.join(run_dir, "metrics.jsonl"))
