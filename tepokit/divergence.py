@@ -31,7 +31,7 @@ class Diverged(Exception):
 def diverged(step: int, what: str, run) -> Diverged:
     lr = run.args.lr
     return Diverged(f"step {step}: {what}, at --lr {lr:g}; nothing of step {step} was saved, and "
-                    f"{run.run_dir}/checkpoint.pt keeps the last step before it, all finite; start again with a "
+                    f"{run.run_dir}/checkpoint.pt, the last checkpoint before it, is finite; start again with a "
                     f"lower --lr (--lr {lr / 10:g}, say) and --out {run.run_dir} --overwrite")
 
 

@@ -33,7 +33,7 @@ def test_a_learning_rate_that_diverges_stops_in_one_line_and_keeps_a_finite_chec
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 3 and "Traceback" not in done.stderr, done.stderr
     assert last == (f"train_small.py: diverged: step 1: its grad_norm is nan, at --lr 1000; nothing of step 1 was "
-                    f"saved, and {run_dir}/checkpoint.pt keeps the last step before it, all finite; start again "
+                    f"saved, and {run_dir}/checkpoint.pt, the last checkpoint before it, is finite; start again "
                     f"with a lower --lr (--lr 100, say) and --out {run_dir} --overwrite"), last
     assert [r["step"] for r in read_rows(run_dir)] == [0] and finite_checkpoint_step(run_dir) == 0
     with pytest.raises(Diverged) as diverged:
