@@ -61,12 +61,13 @@ import sys
 import time
 from dataclasses import dataclass
 
-from tepokit import bench, cli, compare, rundir   # first: tepokit/__init__.py sets OMP_WAIT_POLICY before torch loads
+from tepokit import bench, cli, compare, resume, rundir  # first: tepokit/__init__.py sets OMP_WAIT_POLICY for torch
 import torch
 from tqdm.auto import tqdm
 
 import tepo
 from tepokit.bench import PhaseClock
+from tepokit.divergence import Diverged, check_finite, stops_on_divergence
 from tepokit.entropy_check import EntropyCheckPositions, checked_rows
 from tepokit.errors import fail, os_error_line
 from tepokit.forks import eval_by_type
@@ -79,6 +80,7 @@ from tepokit.report import Trackers, trackers_of
 from tepokit.sampling import recompute_old_logprobs, sample, sampler_logprobs_wanted
 from tepokit.stats import combine_micro_batches, mean_pass_at_k
 from tepokit.stop import StopSignals, Stopped, stopped_after
+from tepokit.summary import evaluation_line, write_summary
 from tepokit.task import format_prompt, gold_answer, load_task, score_completions, task_fingerprint
 
 
@@ -530,7 +532,8 @@ def evaluate(model, tokenizer, test, args: Args, device) -> dict:
     greedy_right = torch.cat(strict)                                                # [N]
     row = {"eval/accuracy": greedy_right.mean().item(), "eval/accuracy_lenient": torch.cat(lenient).mean().item(),
            **{f"eval/pass@{k}": value for k, value in mean_pass_at_k(n_right, args.pass_k).items()},
-           f"eval/mean@{args.pass_k}": right.mean().item()}
+           f"eval/mean@{args.pass_k}": right.mean().item(),     # and how many problems each figure is over:
+           "eval/problems": len(greedy_right), "eval/pass_k_problems": len(n_right)}
     if "type" in test.column_names:     # the hidden-type task: each type apart (tepokit/forks.py)
         row |= eval_by_type(greedy_right, right, sampled_texts, list(test["type"]), args.pass_k, list(test["answer"]),
                             list(test["cue"]) if "cue" in test.column_names else None)
@@ -549,7 +552,8 @@ def dataset_chunks(data, n: int, size: int):
 
 def train(args: Args, obj_overrides: dict) -> dict:
     """One RL run: start (or resume) it, then step, evaluate, log and checkpoint; the summary at the end.
-    A stop signal (Ctrl-C, SIGTERM, SIGHUP) finishes the step, checkpoints it and exits (tepokit/stop.py)."""
+    A stop signal (Ctrl-C, SIGTERM, SIGHUP) finishes the step, checkpoints it and exits (tepokit/stop.py); a step
+    that diverges ends the run before it is saved (tepokit/divergence.py)."""
     t_start = time.time()
     run = start_run(args, obj_overrides)
     args = run.args                    # with --resume: the saved settings, which start_run read
@@ -560,12 +564,14 @@ def train(args: Args, obj_overrides: dict) -> dict:
     with run.lock, run.trackers, StopSignals(finish_step=True) as stop:
         for step in bar:
             t0 = time.time()
-            row, details_row = rl_step(run, step)
-            if step % args.eval_every == 0:
-                row.update(evaluate(run.model, run.tokenizer, run.test_set, args, run.device))
-            elif step == args.steps:   # the final evaluation, off the schedule, leaves the RNG as it found it,
-                with torch.random.fork_rng():   # so a run extended later (--resume --steps) equals an uninterrupted one
+            with stops_on_divergence(step, run):      # a non-finite loss, gradient or weight ends the run here,
+                row, details_row = rl_step(run, step)  # before anything of the step is saved (tepokit/divergence.py)
+                check_finite(step, row, run)
+                if step % args.eval_every == 0:
                     row.update(evaluate(run.model, run.tokenizer, run.test_set, args, run.device))
+                elif step == args.steps:   # the final evaluation, off the schedule, leaves the RNG as it found it,
+                    with torch.random.fork_rng():   # so a run extended later (--resume --steps) equals an unbroken one
+                        row.update(evaluate(run.model, run.tokenizer, run.test_set, args, run.device))
             row.update({"timing/eval": time.time() - t0 - row["step_time"], "step_time": time.time() - t0,
                         "perf/peak_memory_mb": peak_memory_mb(run.device)})
             rundir.append_row(os.path.join(run.run_dir, "metrics.jsonl"), row)
@@ -575,7 +581,7 @@ def train(args: Args, obj_overrides: dict) -> dict:
             bar.set_postfix({"reward": f"{row['reward']:.2f}", "H": f"{row['entropy']:.3f}"})
             entropies.append(row["entropy"])
             if "eval/accuracy" in row:         # a line that stays on screen above the progress bar
-                bar.write(rundir.evaluation_line(row, args, entropies))
+                bar.write(evaluation_line(row, args, entropies))
                 entropies = []
             # Read once: the save and the stop agree on it. A signal after this line waits for the next step's
             # end; at the run's last step, it waits for the policy and the summary to be written.
@@ -589,7 +595,7 @@ def train(args: Args, obj_overrides: dict) -> dict:
             rundir.save_pretrained_atomically(run.model.cpu(), run.tokenizer, os.path.join(run.run_dir, "policy"))
             run.model.to(run.device)
             rows = rundir.read_log(os.path.join(run.run_dir, "metrics.jsonl"))
-            summary = rundir.write_summary(run.run_dir, rows, args, time.time() - t_start)
+            summary = write_summary(run.run_dir, rows, args, time.time() - t_start)
         else:
             summary = {"run_dir": run.run_dir, "stopped_at": last_step}
         if stop.requested:             # it came during the last step, the final save or the summary
@@ -609,19 +615,18 @@ def start_run(args: Args, obj_overrides: dict) -> Run:
     cfg = cli.objective_config(args, obj_overrides)
     rundir.seed_everything(args.seed)
     task = load_task(args)
-    check_memory(args, task, device, tepo.needs_ref(args.objective, cfg))
+    needs_ref = tepo.needs_ref(args.objective, cfg)
+    check_memory(args, task, device, needs_ref)
     run_dir = args.out or os.path.join("runs", rundir.run_name(args))
     print(f"run directory: {run_dir}", flush=True)    # created once everything has loaded
     reset_peak_memory(device)
     memory_before_model = process_memory_mb()
     start_model = prepare_start_model(args, task, device)
     model, tokenizer = load_policy(start_model, args, device)
-    ref_model = None
-    if tepo.needs_ref(args.objective, cfg):
-        ref_model = load_policy(start_model, args, device)[0].requires_grad_(False)
+    ref_model = load_policy(start_model, args, device)[0].requires_grad_(False) if needs_ref else None
     identity = rundir.run_identity(args.objective, model, tokenizer, task_fingerprint(task))
     if resume_dir:                     # still nothing changed: the run must be the one that was saved
-        rundir.check_same_run(resume_dir, identity)
+        resume.check_same_run(resume_dir, identity)
     lock = rundir.claim_run_dir(run_dir, resume=bool(resume_dir), overwrite=args.overwrite)
     run = Run(args=args, cfg=cfg, objective=tepo.OBJECTIVES[args.objective], device=device, run_dir=run_dir,
               lock=lock, identity=identity, model=model, ref_model=ref_model, tokenizer=tokenizer,
@@ -637,11 +642,7 @@ def start_run(args: Args, obj_overrides: dict) -> Run:
     # what was cached; from here the stream is the seed's, whatever was loaded (a resume then sets its own).
     rundir.seed_everything(args.seed)
     if resume_dir:
-        ckpt = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)
-        model.load_state_dict(ckpt["model"])
-        run.optimizer.load_state_dict(ckpt["optimizer"])
-        rundir.set_rng_state(ckpt["rng"])
-        run.first_step = ckpt["step"] + 1
+        run.first_step = rundir.load_checkpoint(run_dir, model, run.optimizer) + 1
         for path in logs:
             rundir.truncate_log(path, run.first_step)
     else:
@@ -654,7 +655,7 @@ def start_run(args: Args, obj_overrides: dict) -> Run:
         start = evaluate(model, tokenizer, run.test_set, args, device)
         rundir.append_row(logs[0], {"step": 0, **start, "memory/process_before_model_mb": memory_before_model})
         run.trackers.log({"step": 0, **start})
-        print(rundir.evaluation_line({"step": 0, **start}, args, entropies=[]), flush=True)
+        print(evaluation_line({"step": 0, **start}, args, entropies=[]), flush=True)
         rundir.save_checkpoint(run_dir, model, run.optimizer, 0, identity)
     return run
 
@@ -689,7 +690,7 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except Stopped as e:          # what was kept, and how to go on
+    except (Stopped, Diverged) as e:    # what was kept, and how to go on
         print(f"train_small.py: {e.name}: {e.message}", file=sys.stderr)
         sys.exit(e.exit_status)
     except OSError as e:          # the disk, the file system, the permissions: one line, and what to do

@@ -8,10 +8,15 @@ import json
 import os
 import time
 
-from tepokit.cli import command_line, compare_entries
-from tepokit.rundir import read_log, write_atomically, write_json, write_summary
+from tepokit.cli import RUN_ONLY_FIELDS, command_line, objective_config
+from tepokit.divergence import Diverged
+from tepokit.errors import fail, first_line
+from tepokit.resume import DEFAULTS_OF_OLDER_CONFIGS
+from tepokit.rundir import read_log, write_atomically, write_json
 from tepokit.stats import t_interval
 from tepokit.stop import Stopped
+from tepokit.summary import write_summary
+from tepokit.validation import compare_entries, flag
 
 
 def compare_objectives(args, obj_overrides: dict, train) -> None:
@@ -24,6 +29,10 @@ def compare_objectives(args, obj_overrides: dict, train) -> None:
     seeds = list(range(args.seed, args.seed + args.seeds))
     entries = list(zip(args.compare.split(","), compare_entries(args)))
     run_dirs = [run_dir_of(out, name, seed) for seed in seeds for name, _ in entries]
+    for seed in seeds:      # before anything runs: the runs already in --out must be the ones asked for
+        for name, (objective, overrides) in entries:
+            check_same_settings(run_args(args, objective, seed, run_dir_of(out, name, seed)),
+                                {**obj_overrides, **overrides})
     results = {}
     for seed in seeds:      # seed-major: early results cover every objective
         for name, (objective, overrides) in entries:
@@ -35,6 +44,11 @@ def compare_objectives(args, obj_overrides: dict, train) -> None:
                 stop.message = (f"--compare stopped in {run_dir_of(out, name, seed)} with {finished} of "
                                 f"{len(run_dirs)} runs finished; go on with: "
                                 f"{command_line(args, obj_overrides, out=out)}")
+                raise
+            except Diverged as diverged:    # a lower --lr is another comparison, not this run's --overwrite
+                diverged.message = (f"{run_dir_of(out, name, seed)}: {diverged.message.split(';')[0]}; nothing of "
+                                    "that step was saved; start the comparison again with a lower --lr and another "
+                                    "--out")
                 raise
     table, paired = objective_means(results, args), paired_differences(results, args)
     write_json(os.path.join(out, "summary.json"), {"seeds": seeds, "baseline": args.baseline,
@@ -50,18 +64,64 @@ def run_dir_of(out: str, name: str, seed: int) -> str:
     return os.path.join(out, f"{name.replace(':', '_')}__{seed}")
 
 
+def run_args(args, objective: str, seed: int, run_dir: str):
+    """The settings of one run of the comparison: --compare's, for one objective and seed, in its run directory."""
+    return dataclasses.replace(args, objective=objective, seed=seed, compare=None, out=run_dir)
+
+
 def run_or_resume(args, objective: str, seed: int, run_dir: str, train, obj_overrides: dict) -> dict:
     """One run of the comparison, or what is left of it. Rerunning the same --compare command (same --out)
     goes on where it stopped: a finished run is read back (summarised again from its log), an interrupted
     one resumes from its checkpoint, and one stopped before its first checkpoint starts again. So a long
     comparison can also be split across processes (one --compare per subset), then assembled by a last call."""
-    run = dataclasses.replace(args, objective=objective, seed=seed, compare=None, out=run_dir)
+    run = run_args(args, objective, seed, run_dir)
     if os.path.exists(os.path.join(run_dir, "summary.json")):
-        wall = json.load(open(os.path.join(run_dir, "summary.json")))["wall_seconds"]
-        return write_summary(run_dir, read_log(os.path.join(run_dir, "metrics.jsonl")), run, wall)
+        wall = read_part(os.path.join(run_dir, "summary.json"), "wall_seconds")
+        rows = read_log(os.path.join(run_dir, "metrics.jsonl"))
+        if not any("eval/accuracy" in r for r in rows):
+            fail(f"--compare: {os.path.join(run_dir, 'metrics.jsonl')} is missing or holds no evaluation; move "
+                 f"{run_dir} away and the same command runs it again (nothing was changed)")
+        return write_summary(run_dir, rows, run, wall)
     if os.path.exists(os.path.join(run_dir, "checkpoint.pt")):
         return train(dataclasses.replace(run, resume=run_dir), obj_overrides)
     return train(dataclasses.replace(run, overwrite=True), obj_overrides)    # nothing to keep before checkpoint 0
+
+
+def read_part(path: str, key: str):
+    """`key` of the JSON object in `path`, a file of a run --compare reads back; one line if it is damaged."""
+    try:
+        with open(path) as f:
+            return json.load(f)[key]
+    except (OSError, ValueError, KeyError, TypeError) as e:     # JSON errors are ValueErrors
+        fail(f"--compare: {path} is damaged ({type(e).__name__}: {first_line(e) or 'empty'}); move "
+             f"{os.path.dirname(path)} away and the same command runs it again (nothing was changed)")
+
+
+def check_same_settings(run, obj_overrides: dict) -> None:
+    """A run directory of --out that --compare would read back or resume holds a run of the settings asked for
+    now: every setting but the run-only ones (RUN_ONLY_FIELDS), and the objective's configuration. Otherwise
+    one line naming the run directory and the settings that differ. A directory without config.json (none, or a
+    run stopped before writing it) is started afresh."""
+    run_dir = run.out
+    if not os.path.exists(os.path.join(run_dir, "config.json")):
+        return
+    saved = read_part(os.path.join(run_dir, "config.json"), "args")
+    overrides = read_part(os.path.join(run_dir, "config.json"), "objective_overrides")
+    try:
+        saved = type(run)(**{**DEFAULTS_OF_OLDER_CONFIGS, **saved})
+        saved_cfg, cfg = objective_config(saved, overrides), objective_config(run, obj_overrides)
+    except (TypeError, ValueError) as e:       # settings this version does not know, or invalid ones
+        fail(f"--compare: {run_dir}/config.json is not a run of this version's settings ({first_line(e)}); choose "
+             "another --out (nothing was changed)")
+    differ = [f"{flag(name)} {getattr(saved, name)!r} there, {getattr(run, name)!r} now"
+              for name in run.__dataclass_fields__ if name not in RUN_ONLY_FIELDS
+              and getattr(saved, name) != getattr(run, name)]
+    differ += [f"{flag(name)} {getattr(saved_cfg, name)!r} there, {getattr(cfg, name)!r} now"
+               for name in cfg.__dataclass_fields__ if getattr(saved_cfg, name) != getattr(cfg, name)]
+    if differ:
+        fail(f"argument --out: {run_dir} holds a run of other settings ({'; '.join(differ[:4])}"
+             f"{'; ...' if len(differ) > 4 else ''}); --compare reuses only runs of the same settings: choose "
+             "another --out, or give the settings of the runs there (nothing was changed)")
 
 
 def objective_means(results: dict, args) -> dict:

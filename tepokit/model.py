@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 
 import torch
 from tqdm.auto import tqdm
 
-from tepokit.errors import fail, warn
+from tepokit.divergence import Diverged, non_finite_weights
+from tepokit.errors import fail, first_line, warn
 from tepokit.hub import cannot_load, use_offline_hub_if_unreachable, without_transformers_bars
 from tepokit.rundir import fingerprint, lock_file, save_pretrained_atomically
-from tepokit.task import format_prompt, task_fingerprint, task_seed
+from tepokit.task import format_prompt, task_fingerprint, task_key, task_seed
 
 END = "<|endoftext|>"   # end of sequence AND padding, as in GPT-2: the end token must still be trained
 
@@ -64,10 +66,17 @@ def build_tiny_model(args, tokenizer):
     return model
 
 
+BUILTIN_TOKENIZERS: dict[tuple, object] = {}     # (task_key, vocab_size) -> tokenizer: the memory plan's is reused
+
+
 def builtin_tokenizer(task, vocab_size: int | None = None):
-    """The built-in task's character tokenizer (the characters of its texts), padded to vocab_size if given."""
-    return build_char_tokenizer(list(task["train"]["question"]) + list(task["train"]["answer"])
-                                + list(task["test"]["question"]), vocab_size)
+    """The built-in task's character tokenizer (the characters of its texts), padded to vocab_size if given.
+    Made once per task: reading every text of a large data set takes seconds."""
+    key = (task_key(task), vocab_size)
+    if key not in BUILTIN_TOKENIZERS:
+        BUILTIN_TOKENIZERS[key] = build_char_tokenizer(list(task["train"]["question"]) + list(task["train"]["answer"])
+                                                       + list(task["test"]["question"]), vocab_size)
+    return BUILTIN_TOKENIZERS[key]
 
 
 # What determines the warmed-up built-in model, besides the code: these settings and the task seed.
@@ -195,19 +204,28 @@ def supervised_warmup(model, tokenizer, train_split, args, device):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.9 * s / max(1, args.warmup_steps))
     model.train()
     bar = tqdm(range(args.warmup_steps), desc="warm-up", dynamic_ncols=True)
-    for _ in bar:
+    for step in bar:
         idx = torch.randint(len(train_split), (args.warmup_batch,), generator=gen).tolist()
         rows = train_split.select(idx)
         ids, attn, labels = sft_batch(tokenizer, list(rows["question"]), warmup_texts(rows), device,
                                       args.max_prompt_tokens, builtin_positions(args))
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        if not math.isfinite(loss.item()):      # the weights are gone: nothing of them is cached
+            raise warmup_diverged(f"warm-up step {step + 1}: its loss is {loss.item()}", args)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         bar.set_postfix(loss=f"{loss.item():.3f}")
+    if non_finite_weights(model):
+        raise warmup_diverged(f"the warm-up's last step left {non_finite_weights(model)[0]} non-finite", args)
     model.eval()
+
+
+def warmup_diverged(what: str, args) -> Diverged:
+    return Diverged(f"{what}, at --warmup-lr {args.warmup_lr:g}; nothing was cached; start again with a lower "
+                    "--warmup-lr")
 
 
 def prepare_start_model(args, task, device) -> str:
@@ -262,6 +280,46 @@ def use_fused_gelu(model) -> None:
 LOADED = set()
 
 
+# The files a tokenizer is read from, one of which a model directory must hold: without any, transformers
+# makes a tokenizer with no vocabulary (GPT-2's class, holding only its end token).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
+                   "spiece.model")
+
+
+def check_model_dir(args) -> None:
+    """A local --model directory, checked before anything is loaded or written: a config.json that parses, of
+    a causal language model (what AutoModelForCausalLM can load), and tokenizer files. A Hugging Face id is
+    checked once loaded (tokenizer_problem, in load_policy). The first problem found is one line."""
+    path = os.path.expanduser(args.model)
+    if not os.path.isdir(path):
+        return
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    try:
+        with without_transformers_bars():
+            config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    except Exception as e:  # noqa: BLE001 -- a missing or damaged config.json, an unknown model type: one line
+        fail(f"argument --model: {path} has no config.json a model can be built from ({type(e).__name__}: "
+             f"{first_line(e)}); give a Hugging Face model directory (config.json, weights, tokenizer files)")
+    custom = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not custom:
+        fail(f"argument --model: {path} holds a {config.model_type} model ({', '.join(config.architectures or [])}),"
+             " not a causal language model; give a causal LM, such as GPT-2, Qwen2 or Llama")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        fail(f"argument --model: {path} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); save the "
+             "model's tokenizer there too (tokenizer.save_pretrained)")
+
+
+def tokenizer_problem(tokenizer) -> str | None:
+    """What makes a tokenizer unusable for RL, or None: a vocabulary of special tokens only, or no end token
+    (generation could never stop, and padding a batch of prompts needs one)."""
+    if len(tokenizer.get_vocab()) <= len(tokenizer.all_special_tokens):
+        return "has no vocabulary (only special tokens)"
+    if tokenizer.eos_token is None:
+        return "has no end token (eos_token); set one in its tokenizer_config.json"
+    return None
+
+
 def load_policy(path: str, args, device):
     """Model and tokenizer from an id or directory; one-line error if it cannot be had."""
     offline_reason = None if os.path.exists(path) else use_offline_hub_if_unreachable()
@@ -276,6 +334,13 @@ def load_policy(path: str, args, device):
     except Exception as e:  # noqa: BLE001 -- any loading failure is a user-facing one-liner
         cannot_load("model", path, e, offline_reason,
                     "give a local model directory, or run without --model for the built-in tiny model")
+    problem = tokenizer_problem(tokenizer)
+    if problem:
+        fail(f"argument --model: the tokenizer of {path} {problem}; give a model directory with a whole tokenizer")
+    bad = non_finite_weights(model)    # a run from them could only diverge, and would checkpoint them at step 0
+    if bad:
+        fail(f"argument --model: {path} holds NaN or infinite weights, in {len(bad)} of its tensors ({bad[0]} the "
+             "first); give a model whose weights are finite")
     tokenizer.padding_side, tokenizer.truncation_side = "left", "left"   # generation needs left padding
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -225,6 +225,8 @@ def accuracy_and_reward(plt, run: dict, notes: list):
     k, temperature = setting(run, "pass_k"), setting(run, "temperature")
     n_test, n_sampled = setting(run, "n_test"), setting(run, "pass_k_problems")
     n_sampled = min(n_sampled, n_test) if n_sampled and n_test else None
+    last = [r for r in run["metrics"] if "eval/accuracy" in r][-1]      # the problems it evaluated, when logged
+    n_test, n_sampled = last.get("eval/problems", n_test), last.get("eval/pass_k_problems", n_sampled)
     sampled = "one sample" + (f" at T={temperature:g}" if temperature is not None else "")
     bounded = False
     for key, n, style, color, label, bound in (

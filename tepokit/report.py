@@ -20,6 +20,7 @@ import importlib.util
 import json
 import math
 import os
+import threading
 
 from tepokit.errors import fail, first_line, warn
 
@@ -52,6 +53,8 @@ class Trackers:
 
     def __init__(self, names: list[str], run_dir: str, config: dict):
         self.run_dir, self.open = run_dir, {}
+        self.thread_hook = threading.excepthook
+        threading.excepthook = self.quiet_writer_thread
         for name in names:
             self.attempt(name, "start", lambda: self.open.__setitem__(name, START[name](run_dir, config)))
 
@@ -66,6 +69,14 @@ class Trackers:
         for name in list(self.open):
             self.attempt(name, "the end of the run", lambda: CLOSE[name](self.open[name]))
             self.open.pop(name, None)
+        threading.excepthook = self.thread_hook
+
+    def quiet_writer_thread(self, hook_args) -> None:
+        """threading.excepthook while the trackers are open. TensorBoard writes its events from a thread of its
+        own, which keeps its error (a full disk) for the run's next write, where attempt() says it in one
+        warning line: the thread's own traceback, some 30 lines, is left out. Other threads print theirs."""
+        if type(hook_args.thread).__name__ != "_AsyncWriterThread":
+            self.thread_hook(hook_args)
 
     def attempt(self, name: str, when: str, action) -> None:
         try:

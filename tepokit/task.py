@@ -151,10 +151,8 @@ def read_dataset(args):
     path = os.path.expanduser(args.dataset)
     offline_reason = None if os.path.exists(path) else use_offline_hub_if_unreachable()
     try:
-        if path.endswith(".jsonl"):
-            data = datasets.Dataset.from_list(read_jsonl_task(path))
-        elif path.endswith(".json"):
-            data = datasets.load_dataset("json", data_files=path)
+        if path.endswith((".jsonl", ".json")):
+            data = datasets.Dataset.from_list(read_json_task(path))
         elif os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_dict.json")):
             data = datasets.load_from_disk(path)
         elif os.path.isdir(path):
@@ -168,6 +166,8 @@ def read_dataset(args):
         data = datasets.DatasetDict({"train": data})
     if not {"question", "answer"} <= set(data["train"].column_names):
         fail(f"dataset {args.dataset!r} has columns {data['train'].column_names}; need question and answer")
+    for split in data:
+        check_text_columns(data[split], f"dataset {args.dataset}, split {split}")
     if "test" not in data:   # a fixed, seeded held-out split
         if len(data["train"]) < 10:
             fail(f"dataset {args.dataset!r} has {len(data['train'])} rows and no test split; need at least 10 "
@@ -199,7 +199,7 @@ def validate_task(task, args):
         if not any(readable[split]):
             fail(f"{name}: none of the {len(answers[split])} {split} answers has a number the reward can read "
                  f"(e.g. {answers[split][0][:40]!r}); each answer must end in '#### <number>' (GSM8K's format) "
-                 "or hold a number")
+                 "or be one number")
     example = next((a for split in answers for a, ok in zip(answers[split], readable[split]) if not ok), None)
     drop_rows(task, readable, lambda dropped: f"{name}: {dropped} answers have no number the reward can read "
               f"(e.g. {example[:40]!r}); those rows are left out (they could only score 0)")
@@ -258,30 +258,72 @@ def prompt_lengths(questions: list[str], args) -> list[int]:
     return [len(ids) for ids in tokenizer(prompts).input_ids]
 
 
-def read_jsonl_task(path: str) -> list[dict]:
-    """The question/answer rows of a local .jsonl file (one JSON object per line; blank lines skipped).
-    A bad line is reported as such: file, line number and what is wrong."""
-    rows = []
+FIELDS = "text fields question and answer (an answer such as \"2+3=5\\n#### 5\")"
+
+
+def read_json_task(path: str) -> list[dict]:
+    """The question/answer rows of a local .jsonl file (one JSON object per line; blank lines skipped) or .json
+    file (a JSON array of objects, or JSON Lines as well). UTF-8, with or without a byte-order mark. A bad row
+    is reported as such: file, line or row number, and what is wrong (check_row)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
+        with open(path, encoding="utf-8-sig") as f:        # -sig: a byte-order mark, if any, is not text
+            text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         fail(f"dataset {path}: cannot be read as UTF-8 text ({type(e).__name__}: {first_line(e)})")
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+    if path.endswith(".json") and text.lstrip().startswith("["):
         try:
-            row = json.loads(line)
+            array = json.loads(text)
         except json.JSONDecodeError as e:
-            fail(f"dataset {path}, line {number}: not valid JSON ({e.msg}, column {e.colno}); "
-                 "each line must be one JSON object with text fields question and answer")
-        if not (isinstance(row, dict) and all(isinstance(row.get(k), str) for k in ("question", "answer"))):
-            fail(f"dataset {path}, line {number}: needs a JSON object with text fields question and answer, "
-                 f"got {line.strip()[:60]!r}")
-        rows.append({"question": row["question"], "answer": row["answer"]})
+            fail(f"dataset {path}, line {e.lineno}: not valid JSON ({e.msg}, column {e.colno}); a .json data set "
+                 f"is one JSON array of objects with {FIELDS}")
+        rows = [check_row(row, f"dataset {path}, row {number}") for number, row in enumerate(array, 1)]
+    elif path.endswith(".json") and text.lstrip().startswith("{") and "\n" in text.strip() and whole_object(text):
+        fail(f"dataset {path}: holds one JSON object (keys: {', '.join(list(whole_object(text))[:5])}); a .json data "
+             f"set is a JSON array of objects, or one object per line, with {FIELDS}")
+    else:
+        rows = []
+        for number, line in enumerate(text.split("\n"), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                fail(f"dataset {path}, line {number}: not valid JSON ({e.msg}, column {e.colno}); "
+                     f"each line must be one JSON object with {FIELDS}")
+            rows.append(check_row(row, f"dataset {path}, line {number}"))
     if not rows:
-        fail(f"dataset {path}: no rows; each line must be one JSON object with text fields question and answer")
+        fail(f"dataset {path}: no rows; each line must be one JSON object with {FIELDS}")
     return rows
+
+
+def whole_object(text: str) -> dict | None:
+    """The JSON object that a whole text is, if it is one (a .json file pretty-printed over several lines)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def check_row(row, where: str) -> dict:
+    """{question, answer} of one record, or one line naming `where` it is and what is wrong with it."""
+    if not isinstance(row, dict):
+        fail(f"{where}: needs a JSON object with {FIELDS}, got {json.dumps(row)[:60]}")
+    for field in ("question", "answer"):
+        if not isinstance(row.get(field), str):
+            got = "missing" if field not in row else f"{type(row[field]).__name__} {json.dumps(row[field])[:40]}"
+            fail(f"{where}: {field} must be text, got {got}; each record needs {FIELDS}")
+    return {"question": row["question"], "answer": row["answer"]}
+
+
+def check_text_columns(split, where: str) -> None:
+    """The question and answer columns of a data set read by the datasets library hold text in every row."""
+    for field in ("question", "answer"):
+        values = split[field]
+        bad = next((i for i, v in enumerate(values) if not isinstance(v, str)), None)
+        if bad is not None:
+            fail(f"{where}, row {bad + 1}: {field} must be text, got {type(values[bad]).__name__} "
+                 f"{json.dumps(values[bad], default=str)[:40]}; each record needs {FIELDS}")
 
 
 def format_prompt(question: str) -> str:
@@ -289,11 +331,16 @@ def format_prompt(question: str) -> str:
 
 
 # ---- answer parsing: regular expressions only, never eval/exec -----------------------------------
-# A number: optional minus, digits with optional thousands separators ("1,234"), optional decimals.
-NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
+# A number: optional minus, digits with optional thousands separators in groups of three ("1,234"), optional
+# decimals ("3.50"), or decimals alone (".5"). Nothing else is a number: not a fraction ("3/4"), an exponent
+# ("1e3") or a decimal comma ("2,5").
+NUMBER = r"-?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)"
 
 
 STRICT_ANSWER = re.compile(r"####\s*(" + NUMBER + r")\s*$")
+
+
+ONE_NUMBER = re.compile(r"\s*(" + NUMBER + r")\s*")
 
 
 ANY_NUMBER = re.compile(NUMBER)
@@ -324,8 +371,12 @@ def parse_lenient(text: str) -> Decimal | None:
 
 
 def gold_answer(answer_text: str) -> Decimal | None:
-    strict = parse_strict(answer_text.strip())       # `is None`, not `or`: Decimal(0) is falsy
-    return strict if strict is not None else parse_lenient(answer_text)
+    """A data set's answer as one number, by one rule: the text after the last `####` (GSM8K's format), or the
+    whole answer when it has no `####`, must be exactly one NUMBER (spaces around it allowed). Otherwise None,
+    never another number: "#### 3/4", "#### 1e3", "#### 2,5" and "The answer is 4" are unreadable (validate_task
+    counts them in one warning and leaves their rows out). "#### .5" is 0.5 and "#### 1,234" is 1234."""
+    m = ONE_NUMBER.fullmatch(answer_text.rpartition("####")[2])
+    return to_number(m.group(1)) if m else None
 
 
 def score_completions(texts: list[str], golds: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,11 +386,23 @@ def score_completions(texts: list[str], golds: list) -> tuple[torch.Tensor, torc
     return torch.tensor(strict), torch.tensor(lenient)
 
 
+def task_key(task) -> tuple:
+    """What names a loaded task for the values computed from it once (task_fingerprint, the built-in tokenizer):
+    each split's fingerprint in the datasets library, which a change to its rows changes."""
+    return tuple((split, task[split]._fingerprint) for split in sorted(task))
+
+
+FINGERPRINTS: dict[tuple, str] = {}      # task_key -> task_fingerprint: reading every record once per task
+
+
 def task_fingerprint(task) -> str:
     """A content hash of the task's records (every split's questions and answers): the data's identity,
     which a resumed run checks (an edited data set is refused) and the warm-up cache's key includes."""
-    digest = hashlib.sha256()
-    for split in sorted(task):
-        for column in ("question", "answer"):
-            digest.update(json.dumps([split, column, list(task[split][column])]).encode())
-    return digest.hexdigest()[:16]
+    key = task_key(task)
+    if key not in FINGERPRINTS:
+        digest = hashlib.sha256()
+        for split in sorted(task):
+            for column in ("question", "answer"):
+                digest.update(json.dumps([split, column, list(task[split][column])]).encode())
+        FINGERPRINTS[key] = digest.hexdigest()[:16]
+    return FINGERPRINTS[key]

@@ -52,10 +52,10 @@ from tepokit.cli import objective_config
 from tepokit.errors import fail
 from tepokit.hub import without_transformers_bars
 from tepokit.model import prepare_start_model
-from tepokit.rundir import (CANNOT_RESUME, check_same_run, claim_run_dir, newest_whole_trl_checkpoint, read_log,
-                            run_identity, run_name, save_pretrained_atomically, seed_everything,
-                            set_aside_trl_checkpoints, to_json, write_atomically, write_json)
 from tepokit.report import trackers_of, warn_failed
+from tepokit.resume import CANNOT_RESUME, check_same_run, newest_whole_trl_checkpoint, set_aside_trl_checkpoints
+from tepokit.rundir import (claim_run_dir, read_log, run_identity, run_name, save_pretrained_atomically,
+                            seed_everything, to_json, write_atomically, write_json)
 from tepokit.stop import StopSignals, stopped_after
 from tepokit.task import format_prompt, gold_answer, load_task, score_completions, task_fingerprint
 
@@ -394,8 +394,8 @@ def train(args, obj_overrides: dict, evaluate) -> dict:
 
 def resume_checkpoint(run_dir: str, state, optimizer_steps: int) -> str:
     """The checkpoint that --resume continues from, called by every process: the newest whole one
-    (rundir.newest_whole_trl_checkpoint; check_resumable has checked it). Newer incomplete ones, left by a
-    process killed while saving, are set aside (rundir.set_aside_trl_checkpoints) by the main process, which
+    (resume.newest_whole_trl_checkpoint; check_resumable has checked it). Newer incomplete ones, left by a
+    process killed while saving, are set aside (resume.set_aside_trl_checkpoints) by the main process, which
     holds the run directory's lock, once every process has chosen; one line says so."""
     newest, skipped = newest_whole_trl_checkpoint(run_dir)
     if newest is None:       # check_resumable found a whole one: only a change since then leaves none

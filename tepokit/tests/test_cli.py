@@ -12,9 +12,10 @@ import torch
 
 import tepo
 import train_small as ts
-import tepokit.cli
 import tepokit.helptext
-from tepokit.cli import DEMO, REGIMES, build_parser, field_kinds, objective_config, parse_args, saved_settings
+import tepokit.validation
+from tepokit.cli import DEMO, REGIMES, build_parser, objective_config, parse_args, saved_settings
+from tepokit.validation import field_kinds
 from tepokit.model import START_MODEL_DIR, committed_start_model
 from tepokit.tests.helpers import SCRIPT, parse_outcome, assert_refused_in_one_line, fake_run
 
@@ -72,7 +73,7 @@ def test_fuzz_every_flag_with_hostile_values(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     accepted = []
     for name, kind in non_hidden_flags():
-        flag = tepokit.cli.flag(name)
+        flag = tepokit.validation.flag(name)
         for value in ["3", "maybe"] if kind == "bool" else FUZZ_NUMBERS:
             argv = [f"{flag}={value}"]
             code, lines = parse_outcome(argv)
@@ -196,7 +197,7 @@ def test_help_groups_every_flag_once_and_its_examples_are_valid_command_lines():
     parser = build_parser(ts.Args)
     groups = {g.title: g for g in parser._action_groups if g.title in tepokit.helptext.HELP_GROUPS}
     assert list(groups) == ["common flags", "task and model", "objective", "run control", "experiments"]
-    flags = {tepokit.cli.flag(name) for name, _ in non_hidden_flags()}
+    flags = {tepokit.validation.flag(name) for name, _ in non_hidden_flags()}
     owners = {flag: [title for title, g in groups.items() for a in g._group_actions if flag in a.option_strings]
               for flag in flags}
     assert {flag: titles for flag, titles in owners.items() if len(titles) != 1} == {}
@@ -238,7 +239,7 @@ def test_help_shows_the_examples_and_the_common_flags_first(monkeypatch):
     titles = [line[:-1] for line in lines if re.fullmatch(r"[a-z][a-z ]*:", line)]
     assert titles == ["examples", "common flags", "task and model", "objective", "run control", "experiments"]
     for name in tepokit.helptext.COMMON_FLAGS:
-        row = next(i for i, line in enumerate(lines) if re.match(rf"  {tepokit.cli.flag(name)}( |,|$)", line))
+        row = next(i for i, line in enumerate(lines) if re.match(rf"  {tepokit.validation.flag(name)}( |,|$)", line))
         assert row < 45, (name, row)
     assert max(len(line) for line in lines[:lines.index("common flags:")]) <= 100     # the examples fit
 
@@ -253,7 +254,7 @@ def test_every_field_is_one_flag_shown_once():
     fields = [f.name for f in dataclasses.fields(ts.Args)] + [f.name for f in dataclasses.fields(tepo.ObjectiveConfig)]
     assert len(fields) == len(set(fields))
     for name in fields:
-        flag = tepokit.cli.flag(name)
+        flag = tepokit.validation.flag(name)
         assert options.count(flag) == 1, flag
         printed = len(re.findall(rf"^  {flag}[ ,\n]", text, flags=re.MULTILINE))
         assert printed == (0 if name == "stop_after" else 1), (flag, printed)
@@ -267,10 +268,10 @@ def test_help_of_a_preset_names_every_setting_it_sets_with_its_value():
             "bench_shape": [BENCH_SHAPES["gpt2-small"]]}
     for name, presets in said.items():
         for preset in presets:
-            assert preset and all(f"{tepokit.cli.flag(k)} {v}" in helps[name] for k, v in preset.items()), \
+            assert preset and all(f"{tepokit.validation.flag(k)} {v}" in helps[name] for k, v in preset.items()), \
                 (name, preset, helps[name])
         assert "flags given explicitly win" in helps[name]
-    assert helps["demo"].index(" ".join(f"{tepokit.cli.flag(k)} {v}" for k, v in DEMO.items())) \
+    assert helps["demo"].index(" ".join(f"{tepokit.validation.flag(k)} {v}" for k, v in DEMO.items())) \
         < helps["demo"].index("hidden-type")
     assert "collapse sets --lr 0.0003" in helps["regime"] and "standard sets" not in helps["regime"]
 
@@ -309,6 +310,24 @@ def test_saved_settings_are_kept_on_resume_with_the_run_only_fields_given():
     args, overrides = saved_settings(cli, {}, {"resume", "threads", "steps", "lr"}, saved, checkpoint_step=7)
     assert (args.objective, args.lr, args.threads, args.steps, args.out, args.resume) == ("grpo", 3e-4, 1, 20, "r", "r")
     assert overrides == {"beta": 0.1}
+
+
+@pytest.mark.parametrize("given, refused, value", [(["--prompts-per-step", "1"], "--mini-batches", 2),
+                                                   (["--max-new-tokens", "1"], "--overlong-cache", 6)])
+def test_a_default_that_a_given_flag_rules_out_is_said_to_be_a_default(given, refused, value):
+    line = assert_refused_in_one_line(given, f"argument {refused}: invalid value {value}, its default (the flag was "
+                                             "not given); choose an integer in 1..1")
+    explicit = assert_refused_in_one_line([*given, refused, str(value)], f"argument {refused}: invalid value {value};")
+    assert "default" not in explicit and line != explicit
+
+
+def test_resume_keeps_the_runs_cache_dir_unless_it_is_given_again():
+    """The resume command a run prints is --resume <dir> alone: the run's --cache-dir comes from its config.json,
+    so the resumed run finds its warm-up model instead of warming up again into runs/cache."""
+    saved = {"args": dataclasses.asdict(ts.Args(steps=10, cache_dir="/shared/cache")), "objective_overrides": {}}
+    kept, _ = saved_settings(ts.Args(resume="r"), {}, {"resume"}, saved, checkpoint_step=4)
+    given, _ = saved_settings(ts.Args(resume="r", cache_dir="mine"), {}, {"resume", "cache_dir"}, saved, 4)
+    assert (kept.cache_dir, given.cache_dir) == ("/shared/cache", "mine")
 
 
 def test_hidden_type_task_is_a_preset_recorded_in_the_args_with_its_own_demo():

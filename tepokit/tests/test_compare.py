@@ -1,4 +1,7 @@
 """tepokit/compare.py: --compare, its table and its paired differences."""
+import contextlib
+import glob
+import io
 import json
 import math
 import os
@@ -7,7 +10,7 @@ import pytest
 
 import tepo
 import train_small as ts
-import tepokit.cli
+import tepokit.validation
 from tepokit.cli import parse_args
 from tepokit.compare import paired_differences, paired_metrics, paired_table
 from tepokit.tests.helpers import MICRO, run_main, strict_loads
@@ -69,7 +72,7 @@ def test_compare_entries_carry_their_own_objective_settings(workdir):
     assert plain["objective_config"]["beta"] == tepo.PAPER_DEFAULTS["tepo"].beta
     result = json.load(open("runs/cmp_variants/summary.json"))
     assert set(result["paired"]) == {"tepo:beta=0:entropy_criterion=measured"}
-    assert tepokit.cli.variant("dapo:dynamic_sampling=off:eps_high=0.3") == ("dapo", {"dynamic_sampling": False,
+    assert tepokit.validation.variant("dapo:dynamic_sampling=off:eps_high=0.3") == ("dapo", {"dynamic_sampling": False,
                                                                               "eps_high": 0.3})
     for bad in ("tepo:bta=0", "tepo:beta=-1", "tepo:beta", "tepx", "grpo,grpo"):
         with pytest.raises(SystemExit) as e:
@@ -93,3 +96,57 @@ def test_paired_block_with_one_seed_has_no_interval_and_skips_unreached_targets(
     lines = paired_table({"tepo": paired}, args, [1])
     assert "| tepo | final held-out accuracy gain (points) | +3.5 | +3.5 | none (1 seed) | 1 |" in lines
     assert "| tepo | steps to target accuracy | not reached | - | none (0 seeds) | 0 |" in lines
+
+
+def compare_refusal(argv) -> str:
+    """The one line a --compare command is refused with (exit status 2)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as refused:
+        ts.main(argv)
+    lines = err.getvalue().strip().splitlines()
+    assert refused.value.code == 2 and len(lines) == 1 and lines[0].startswith("train_small.py: error: "), lines
+    return lines[0]
+
+
+def files(folder="runs/cmp_same") -> dict:
+    """Every file below `folder` and its bytes."""
+    return {p: open(p, "rb").read() for p in glob.glob(f"{folder}/**", recursive=True) if os.path.isfile(p)}
+
+
+def test_a_rerun_into_the_same_out_reuses_only_runs_of_the_same_settings(workdir):
+    """A changed --lr or --pass-k is refused in one line naming the run and the settings, before anything runs or
+    changes; an interrupted run of other settings is not resumed either; a damaged sub-run is named in one line."""
+    argv = [*MICRO, "--compare", "grpo", "--steps", "2", "--out", "runs/cmp_same"]
+    run_main(argv)
+    before = files()
+    line = compare_refusal([*argv, "--lr", "2e-3"])
+    assert "runs/cmp_same/grpo__1 holds a run of other settings (--lr 0.001 there, 0.002 now)" in line, line
+    assert "--pass-k 2 there, 3 now" in compare_refusal([*argv, "--pass-k", "3"])
+    assert "--beta 0.04 there, 0.1 now" in compare_refusal([*argv, "--beta", "0.1"])
+    assert files() == before
+    os.remove("runs/cmp_same/grpo__1/summary.json")          # as if interrupted after its last checkpoint
+    before = files()
+    assert "(--lr 0.001 there, 0.002 now)" in compare_refusal([*argv, "--lr", "2e-3"])
+    assert files() == before
+    run_main(argv)                                            # the same settings: resumed and finished
+    open("runs/cmp_same/grpo__1/summary.json", "w").close()   # emptied
+    line = compare_refusal(argv)
+    assert "runs/cmp_same/grpo__1/summary.json is damaged (JSONDecodeError" in line, line
+    json.dump({"wall_seconds": 1.0}, open("runs/cmp_same/grpo__1/summary.json", "w"))
+    os.remove("runs/cmp_same/grpo__1/metrics.jsonl")
+    assert "runs/cmp_same/grpo__1/metrics.jsonl is missing or holds no evaluation" in compare_refusal(argv)
+
+
+def test_a_run_that_diverges_ends_the_comparison_in_one_line_that_says_what_to_do(workdir, monkeypatch):
+    from tepokit.divergence import Diverged
+    real_rl_step = ts.rl_step
+
+    def rl_step(run, step):
+        row, details = real_rl_step(run, step)
+        return {**row, "loss": math.nan}, details
+    monkeypatch.setattr(ts, "rl_step", rl_step)
+    with pytest.raises(Diverged) as diverged:
+        ts.main([*MICRO, "--compare", "grpo", "--steps", "1", "--out", "runs/cmp_diverged"])
+    assert diverged.value.message == ("runs/cmp_diverged/grpo__1: step 1: its loss is nan, at --lr 0.001; nothing of "
+                                      "that step was saved; start the comparison again with a lower --lr and another "
+                                      "--out")

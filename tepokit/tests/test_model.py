@@ -1,7 +1,9 @@
 """tepokit/model.py: the built-in tokenizer, loading a model (end tokens, dropout off), the warm-up cache
 (keyed by the data and the tokenizer, written once under a lock, never taken half-written)."""
+import contextlib
 import copy
 import dataclasses
+import io
 import json
 import os
 import re
@@ -18,7 +20,7 @@ import train_small as ts
 from tepokit import model as model_module
 from tepokit.cli import parse_args
 from tepokit.forward import completion_logits
-from tepokit.model import (START_MODEL_DIR, WARMUP_FILES, build_char_tokenizer, builtin_tokenizer,
+from tepokit.model import (START_MODEL_DIR, WARMUP_FILES, build_char_tokenizer, build_tiny_model, builtin_tokenizer,
                            committed_start_model, eos_ids_of, is_complete_warmup, load_policy, prepare_start_model,
                            sft_batch, warmup_cache_dir)
 from tepokit.rundir import lock_file
@@ -266,6 +268,65 @@ def test_a_micro_run_prints_no_warning_and_no_transformers_bar(tmp_path):
         lines = re.split(r"[\r\n]+", printed)                         # a bar redraws itself with carriage returns
         assert [line for line in lines if re.search(r"warn", line, re.IGNORECASE)] == [], engine
         assert [line for line in lines if re.search(r"Loading|Writing model shards|Fetching", line)] == [], engine
+
+
+def test_the_built_in_tokenizer_and_the_fingerprint_of_a_task_are_made_once_per_content(monkeypatch):
+    """The memory plan, the warm-up cache's key and the run's identity all need them; on a 50,000-row data set each
+    takes seconds. A task whose rows change gets its own."""
+    from tepokit.task import task_fingerprint
+    task = load_task(ts.Args(n_train=300, n_test=50, difficulty=6))
+    made, real = [], model_module.build_char_tokenizer
+    monkeypatch.setattr(model_module, "build_char_tokenizer", lambda *a: made.append(a) or real(*a))
+    fingerprint = task_fingerprint(task)
+    assert builtin_tokenizer(task) is builtin_tokenizer(task) and len(made) == 1
+    assert task_fingerprint(task) == fingerprint
+    task["train"] = task["train"].select(range(100))
+    builtin_tokenizer(task)
+    assert len(made) == 2 and task_fingerprint(task) != fingerprint
+
+
+def broken_model_dir(path, broken: str) -> str:
+    """A model directory of the micro model with one thing wrong: no tokenizer files, a tokenizer without an
+    end token, the config of an architecture that is not a causal LM (T5), or a NaN weight."""
+    tokenizer = build_char_tokenizer(["What is 1 plus 2?\n#### 3"])
+    if broken == "not a causal LM":
+        from transformers import T5Config
+        T5Config(d_model=32, num_layers=1, num_heads=2, d_ff=64, vocab_size=len(tokenizer)).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        return str(path)
+    build_tiny_model(ts.Args(n_layer=1, n_embd=32, n_head=2), tokenizer).save_pretrained(path)
+    if broken == "NaN weights":
+        from safetensors.torch import load_file, save_file
+        weights = load_file(os.path.join(path, "model.safetensors"))
+        next(iter(weights.values()))[0] = float("nan")
+        save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(path)
+    if broken == "a tokenizer without an end token":
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+        words = Tokenizer(models.WordLevel({"[UNK]": 0, "What": 1, "is": 2}, unk_token="[UNK]"))
+        words.pre_tokenizer = pre_tokenizers.Whitespace()
+        PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("broken, needle", [
+    ("no tokenizer files", "has no tokenizer files (tokenizer.json, tokenizer_config.json, vocab.json, ...)"),
+    ("a tokenizer without an end token", "has no end token (eos_token)"),
+    ("not a causal LM", "holds a t5 model (), not a causal language model"),
+    ("NaN weights", "holds NaN or infinite weights, in 1 of its tensors (")])
+def test_a_broken_model_directory_is_refused_in_one_line_before_the_run_directory_is_made(tmp_path, broken, needle):
+    """Each problem found before the run directory is claimed: one line, exit status 2, no --out created, so
+    the same command runs once the directory is fixed (no "holds a run" refusal, no run to --resume)."""
+    model_dir = broken_model_dir(tmp_path / "model", broken)
+    before = sorted(os.listdir(model_dir))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as refused:
+        ts.main([*MICRO, "--steps", "1", "--model", model_dir, "--out", str(tmp_path / "run")])
+    lines = err.getvalue().strip().splitlines()
+    assert refused.value.code == 2 and lines[-1].startswith("train_small.py: error: argument --model: "), lines
+    assert needle in lines[-1], lines
+    assert sorted(os.listdir(tmp_path)) == ["model"] and sorted(os.listdir(model_dir)) == before
 
 
 def test_the_fused_gelu_is_gpt2s_activation_in_one_kernel():

@@ -197,6 +197,26 @@ def test_held_out_points_carry_95_percent_wald_bars_over_the_logged_number_of_pr
     assert any("95%" in text for text in legend_texts(figure))
 
 
+def test_the_bars_count_the_problems_each_evaluation_logged(tmp_path, close_figures):
+    """A test split smaller than --n-test: the bars and the legend use the logged eval/problems (30) and
+    eval/pass_k_problems (20), not n_test (300) and pass_k_problems (50) of config.json."""
+    run_dir = synthetic_run(tmp_path / "run")
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r | ({"eval/problems": 30, "eval/pass_k_problems": 20} if "eval/accuracy" in r
+                                    else {})) + "\n" for r in rows)
+    run = plot.read_run(run_dir)
+    figure, _ = drawn(run_dir)["accuracy_reward.png"]
+    held = next(ax for ax in figure.axes if ax.get_title() == "Held-out accuracy")
+    for container, label in zip(held.containers, held.get_legend_handles_labels()[1]):
+        key_, n = (("eval/accuracy", 30) if label.startswith("greedy") else
+                   ("eval/pass@4", 20) if "pass@4" in label else ("eval/mean@4", 20))
+        _, p = plot.series(run, key_)
+        bottom_top = np.array([segment[:, 1] for segment in container.lines[2][0].get_segments()])
+        assert np.allclose((bottom_top[:, 1] - bottom_top[:, 0]) / 2, 1.96 * np.sqrt(p * (1 - p) / n))
+        assert f", {n} problems" in label
+
+
 @pytest.mark.parametrize("reward_is_strict, expected", [
     (True, ["reward (= strict accuracy here)"]), (False, ["reward", "rollout accuracy, strict"])])
 def test_the_reward_line_is_drawn_only_where_it_can_be_seen(tmp_path, close_figures, reward_is_strict, expected):

@@ -5,6 +5,7 @@ import importlib.util
 import math
 import os
 import re
+import threading
 
 import pytest
 
@@ -56,6 +57,40 @@ def test_a_tracker_that_fails_mid_run_is_dropped_in_one_warning_and_the_run_goes
     warnings = [line for line in re.split(r"[\r\n]+", capsys.readouterr().err) if "warning" in line]
     assert warnings == [f"train_small.py: warning: --report-to tensorboard failed at step 2 (OSError: [Errno 28] No "
                         f"space left on device); its curves stop there, and {out}/metrics.jsonl keeps every row"]
+    assert [r["step"] for r in read_rows(out)] == [0, 1, 2, 3] and os.path.exists(os.path.join(out, "summary.json"))
+
+
+def test_a_full_disk_under_tensorboards_writer_thread_is_one_warning_and_no_traceback(workdir, monkeypatch,
+                                                                                         capsys):
+    """TensorBoard writes its event file from a thread of its own: when the disk fills from step 2 on, the thread
+    dies, the run says so in one warning line (no thread traceback), and finishes with every row."""
+    from tensorboard.summary.writer import record_writer
+    real_log, real_write, full = report.LOG["tensorboard"], record_writer.RecordWriter.write, []
+
+    def log(writer, numbers, step):
+        if step == 2:
+            full.append(step)
+        real_log(writer, numbers, step)
+
+    def write(self, data):
+        if full:
+            raise OSError(28, "No space left on device")
+        real_write(self, data)
+    monkeypatch.setitem(report.LOG, "tensorboard", log)
+    monkeypatch.setattr(record_writer.RecordWriter, "write", write)
+    printed = []            # what reaches the process's hook for threads' errors, which prints their tracebacks
+
+    def hook(hook_args):
+        printed.append(hook_args.thread.name)
+    monkeypatch.setattr(threading, "excepthook", hook)
+    out = "runs/report_full_disk"
+    run_main([*MICRO, "--objective", "grpo", "--steps", "3", "--report-to", "tensorboard", "--out", out])
+    err = capsys.readouterr().err
+    assert printed == [] and threading.excepthook is hook           # and the hook is the process's again
+    warnings = [line for line in re.split(r"[\r\n]+", err) if "warning" in line]
+    assert "Traceback" not in err and len(warnings) == 1, err
+    assert warnings[0].startswith("train_small.py: warning: --report-to tensorboard failed at step 2 (OSError: "
+                                  "[Errno 28] No space left on device)"), warnings
     assert [r["step"] for r in read_rows(out)] == [0, 1, 2, 3] and os.path.exists(os.path.join(out, "summary.json"))
 
 

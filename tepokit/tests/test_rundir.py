@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import train_small as ts
-from tepokit import cli, rundir
+from tepokit import cli, resume, rundir
 from tepokit.rundir import read_log, truncate_log, write_atomically
+from tepokit.summary import accuracy_with_interval, evaluation_line
 from tepokit.tests.helpers import (MICRO, SCRIPT, assert_refused_in_one_line, assert_whole_rows_without_duplicates,
                                    fake_run, read_details, read_rows, rows_in, run_main, start_process,
                                    strict_loads, wait_until, without_timing)
@@ -207,6 +208,36 @@ def test_a_finished_run_is_not_overwritten_unless_asked(workdir):
     assert not Path(out, "details.jsonl").exists()             # the old run's files are gone, not mixed in
 
 
+def test_an_out_that_holds_a_model_is_refused_and_left_alone_even_with_overwrite(workdir, tmp_path):
+    """A Hugging Face model directory (config.json, model.safetensors) is not a run: as --out it is refused in one
+    line that says so, with or without --overwrite, and keeps its files; an empty directory is taken."""
+    model_dir = tmp_path / "model"
+    from tepokit.model import build_char_tokenizer, build_tiny_model
+    build_tiny_model(ts.Args(n_layer=1, n_embd=32, n_head=2), build_char_tokenizer(["1+2"])).save_pretrained(model_dir)
+    before = snapshot(model_dir)
+    for extra in ([], ["--overwrite"]):
+        line = assert_refused_in_one_line([*MICRO, "--out", str(model_dir), *extra], "--out", "holds other files")
+        assert "holds a run already" not in line
+    with pytest.raises(SystemExit):       # the run directory's own check, for callers that skip the flags' one
+        rundir.claim_run_dir(str(model_dir), resume=False, overwrite=True)
+    assert snapshot(model_dir) == before
+    (tmp_path / "empty").mkdir()
+    run_main([*MICRO, "--objective", "grpo", "--steps", "1", "--out", str(tmp_path / "empty")])
+    assert rundir.holds_a_run(str(tmp_path / "empty")) and not rundir.holds_a_run(str(model_dir))
+
+
+def test_an_out_that_holds_a_comparison_is_not_taken_for_a_run(tmp_path):
+    """--compare's directory (summary.json, summary.md, its runs below) is not a run: --overwrite would remove its
+    summary.json and mix a run's files in; refused in one line, and left as it is."""
+    (tmp_path / "cmp" / "grpo__1").mkdir(parents=True)
+    (tmp_path / "cmp" / "summary.json").write_text(json.dumps({"seeds": [1], "objectives": {}}))
+    (tmp_path / "cmp" / "summary.md").write_text("| objective |\n")
+    before = snapshot(tmp_path / "cmp")
+    for extra in ([], ["--overwrite"]):
+        assert_refused_in_one_line([*MICRO, "--out", str(tmp_path / "cmp"), *extra], "--out", "holds other files")
+    assert snapshot(tmp_path / "cmp") == before and not rundir.holds_a_run(str(tmp_path / "cmp"))
+
+
 def test_resume_refuses_a_data_set_edited_since_the_run_started(workdir, tmp_path, capsys):
     data = tmp_path / "data.jsonl"
     rows = [{"question": f"What is {a} plus {b}?", "answer": f"#### {a + b}"} for a in range(1, 8) for b in range(1, 4)]
@@ -241,6 +272,26 @@ def test_every_file_a_run_writes_is_strict_json(workdir, capsys):
     assert "first and last step); predicted vs measured change per step: too few steps for r" in entropy_line
     assert out[-1].strip() == ('jupyter lab notebooks/   # entropy_covariance.ipynb first (the derivation), then '
                                f'entropy_dynamics.ipynb with RUN_DIR = "{out_dir}"')   # the order of the README
+
+
+def test_run_files_and_cache_entries_get_the_users_umask(tmp_path):
+    """Under umask 027 every file of a run and of its warm-up cache entry is 0640 and every directory 0750 (group
+    readable), as any file the user creates: not 0600 / 0700 as temporary files are made."""
+    previous = os.umask(0o027)
+    try:
+        run_main([*MICRO, "--objective", "grpo", "--steps", "1", "--out", str(tmp_path / "run"),
+                  "--cache-dir", str(tmp_path / "cache"), "--lr", "2e-3"])
+    finally:
+        os.umask(previous)
+    entry = next((tmp_path / "cache").glob("warmup-*[!k]"))           # the entry, not its .lock
+    modes = {str(p.relative_to(tmp_path)): p.stat().st_mode & 0o777 for root in (tmp_path / "run", entry)
+             for p in [root, *root.rglob("*")]}
+    for name in ("run/config.json", "run/checkpoint.pt", "run/summary.json", "run/metrics.jsonl",
+                 "run/policy/config.json", f"cache/{entry.name}/model.safetensors"):
+        assert modes.pop(name) == 0o640, name
+    for name in ("run/policy", f"cache/{entry.name}"):
+        assert modes.pop(name) == 0o750, name
+    assert set(modes.values()) <= {0o640, 0o750}, modes
 
 
 # ---- the operating system's errors ----------------------------------------------------------------------
@@ -283,10 +334,67 @@ def test_a_failed_checkpoint_write_keeps_the_previous_checkpoint_and_resume_work
     from tepokit.errors import os_error_line
     line = os_error_line(failure.value)
     assert "checkpoint.pt" in line and f"--resume {out}" in line and "\n" not in line
+    assert line.count("full?") == 1, line                       # the disk's question asked once
     assert torch.load(Path(out, "checkpoint.pt"), weights_only=True)["step"] == 1
     assert not [n for n in os.listdir(out) if n.startswith(".checkpoint.pt-")]   # no temp file left
     run_main(["--resume", out])
     assert [r["step"] for r in read_rows(out)] == [0, 1, 2, 3]
+
+
+def test_a_full_disk_during_a_log_append_names_the_log_and_the_resume_command(workdir, monkeypatch):
+    """The disk fills while step 2's row is appended to metrics.jsonl: the one line names the log and the
+    --resume command (the write on an open file raises without a file name), and --resume goes on."""
+    out, real_open = "runs/full_log", open
+
+    class FullDisk:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            if '"step": 2' in text:
+                raise OSError(28, "No space left on device")
+            return self.f.write(text)
+
+        def flush(self):
+            self.f.flush()
+
+    def full_open(path, mode="r", *a, **k):
+        f = real_open(path, mode, *a, **k)
+        return FullDisk(f) if str(path).endswith("metrics.jsonl") and mode == "a" else f
+    monkeypatch.setattr(rundir, "open", full_open, raising=False)
+    with pytest.raises(OSError) as failure:
+        run_main([*MICRO, "--objective", "grpo", "--steps", "3", "--out", out])
+    monkeypatch.undo()
+    from tepokit.errors import os_error_line
+    assert os_error_line(failure.value) == (f"could not write or read {out}/metrics.jsonl: No space left on device; "
+                                            f"free some space on that disk; the last checkpoint is intact: continue "
+                                            f"with python train_small.py --resume {out}")
+    run_main(["--resume", out])
+    assert [r["step"] for r in read_rows(out)] == [0, 1, 2, 3]
+
+
+def test_every_failed_write_names_its_file(tmp_path, monkeypatch):
+    """Errors raised on an open file or descriptor (write, flush, fsync) name no file: the policy's save, an
+    atomic write and a sync each give it theirs, for the one line that names it."""
+    class FullModel:
+        def save_pretrained(self, path):
+            raise OSError(28, "No space left on device")
+    with pytest.raises(OSError) as failure:
+        rundir.save_pretrained_atomically(FullModel(), None, str(tmp_path / "policy"))
+    assert failure.value.filename == str(tmp_path / "policy") and failure.value.errno == 28
+
+    def full_fsync(fd):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full_fsync)
+    with pytest.raises(OSError) as failure:
+        write_atomically(str(tmp_path / "summary.json"), lambda f: f.write(b"{}"))
+    assert failure.value.filename == str(tmp_path / "summary.json") and not os.listdir(tmp_path)
 
 
 def test_a_file_size_limit_is_one_line_in_a_real_process(tmp_path):
@@ -314,7 +422,7 @@ def test_a_run_saved_before_the_sampler_resumes_with_the_arithmetic_it_had(workd
         json.dump(config, f)
     run_main(["--resume", out])
     assert [r["step"] for r in read_rows(out)] == [0, 1, 2]
-    resumed = rundir.check_resumable(out, ts.Args, cli.RUN_ONLY_FIELDS)[0]["args"]
+    resumed = resume.check_resumable(out, ts.Args, cli.RUN_ONLY_FIELDS)[0]["args"]
     assert resumed["sampler"] == "generate" and resumed["recompute_old_logprobs"] is True
     assert "logprobs/sampling_vs_recomputed_max_abs" in read_rows(out)[2]       # recomputed, and checked
 
@@ -450,15 +558,15 @@ TRL_CHECKPOINT_DAMAGE = {   # what happened: (how, the start of the phrase that 
 
 def test_a_whole_trl_checkpoint_passes_the_check(tmp_path):
     path = whole_trl_checkpoint(tmp_path / "checkpoint-4")
-    assert rundir.trl_checkpoint_problem(path) is None
+    assert resume.trl_checkpoint_problem(path) is None
     size = os.path.getsize(os.path.join(path, "model.safetensors"))
     cut(os.path.join(path, "model.safetensors"), -7)                       # the sizes are said as they are
     expected = f"model.safetensors is damaged ({size - 7} bytes where its header says {size})"
-    assert rundir.trl_checkpoint_problem(path) == expected
+    assert resume.trl_checkpoint_problem(path) == expected
     two_processes = whole_trl_checkpoint(tmp_path / "checkpoint-8")       # rng_state_<process>.pth, all there
     os.rename(os.path.join(two_processes, "rng_state.pth"), os.path.join(two_processes, "rng_state_0.pth"))
     torch.save({"cpu": torch.get_rng_state()}, os.path.join(two_processes, "rng_state_1.pth"))
-    assert rundir.trl_checkpoint_problem(two_processes) is None
+    assert resume.trl_checkpoint_problem(two_processes) is None
 
 
 @pytest.mark.parametrize("damage", list(TRL_CHECKPOINT_DAMAGE))
@@ -466,7 +574,7 @@ def test_the_trl_checkpoint_check_names_the_missing_or_damaged_file(damage, tmp_
     how, phrase = TRL_CHECKPOINT_DAMAGE[damage]
     path = whole_trl_checkpoint(tmp_path / "checkpoint-4")
     how(path)
-    problem = rundir.trl_checkpoint_problem(path)
+    problem = resume.trl_checkpoint_problem(path)
     assert problem is not None and problem.startswith(phrase), problem
     assert "\n" not in problem
 
@@ -481,36 +589,36 @@ def test_the_newest_whole_trl_checkpoint_is_chosen_by_step_and_set_aside_ones_ar
     os.remove(tmp_path / "checkpoint-12" / "identity.json")
     cut(tmp_path / "checkpoint-10" / "optimizer.pt", 50)
     Path(tmp_path, "checkpoint-20").write_text("a file, not a checkpoint")
-    newest, skipped = rundir.newest_whole_trl_checkpoint(str(tmp_path))
+    newest, skipped = resume.newest_whole_trl_checkpoint(str(tmp_path))
     assert newest == (str(tmp_path / "checkpoint-4"), 4)
     assert [(os.path.basename(p), why) for p, why in skipped] == [
         ("checkpoint-12", "identity.json is missing"),
         ("checkpoint-10", "optimizer.pt is damaged (BadZipFile: File is not a zip file)")]
     assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-12")     # what TRL alone would take
-    set_aside = rundir.set_aside_trl_checkpoints([p for p, _ in skipped])
+    set_aside = resume.set_aside_trl_checkpoints([p for p, _ in skipped])
     assert set_aside == [str(tmp_path / "incomplete-checkpoint-12"), str(tmp_path / "incomplete-checkpoint-10")]
-    assert rundir.newest_whole_trl_checkpoint(str(tmp_path)) == ((str(tmp_path / "checkpoint-4"), 4), [])
+    assert resume.newest_whole_trl_checkpoint(str(tmp_path)) == ((str(tmp_path / "checkpoint-4"), 4), [])
     assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-4")
     assert sorted(os.path.basename(p) for p in sort_checkpoints(str(tmp_path))) == ["checkpoint-2", "checkpoint-4"]
     # a later incomplete checkpoint-12 replaces the one set aside before (neither is whole)
     whole_trl_checkpoint(tmp_path / "checkpoint-12")
-    rundir.set_aside_trl_checkpoints([str(tmp_path / "checkpoint-12")])
-    assert rundir.trl_checkpoint_problem(str(tmp_path / "incomplete-checkpoint-12")) is None
+    resume.set_aside_trl_checkpoints([str(tmp_path / "checkpoint-12")])
+    assert resume.trl_checkpoint_problem(str(tmp_path / "incomplete-checkpoint-12")) is None
     assert not os.path.exists(tmp_path / "checkpoint-12")
 
 
 def test_the_evaluation_line_gives_95_percent_intervals_and_the_mean_entropy_since_the_last_line():
     args = ts.Args(n_test=500, pass_k=4, pass_k_problems=50)
-    start = rundir.evaluation_line({"step": 0, "eval/accuracy": 0.296, "eval/pass@4": 0.6}, args, [])
+    start = evaluation_line({"step": 0, "eval/accuracy": 0.296, "eval/pass@4": 0.6}, args, [])
     # 1.96 * sqrt(0.296 * 0.704 / 500) = 0.0400; 1.96 * sqrt(0.6 * 0.4 / 50) = 0.1358
     assert start == ("step    0: held-out accuracy 0.296 +- 0.040, pass@4 0.600 +- 0.136 (the start model; "
                      "+- : 95% intervals over 500 and 50 problems)")
-    line = rundir.evaluation_line({"step": 40, "eval/accuracy": 0.5, "eval/pass@4": 0.5}, args, [0.2, 0.1, 0.15])
+    line = evaluation_line({"step": 40, "eval/accuracy": 0.5, "eval/pass@4": 0.5}, args, [0.2, 0.1, 0.15])
     assert line == ("step   40: held-out accuracy 0.500 +- 0.044, pass@4 0.500 +- 0.139, "
                     "entropy 0.150 (mean of steps 38-40)")
-    assert rundir.evaluation_line({"step": 7, "eval/accuracy": 0.5, "eval/pass@4": 0.5}, args, [0.3]).endswith(
+    assert evaluation_line({"step": 7, "eval/accuracy": 0.5, "eval/pass@4": 0.5}, args, [0.3]).endswith(
         "entropy 0.300 (mean of step 7)")
     # at 0 or 1 the Wald interval has no width: the exact one-sided 95% bound, 1 - 0.05^(1/n), about 3/n
-    assert rundir.accuracy_with_interval(1.0, 100) == "1.000 (>= 0.970)"       # 0.05^(1/100) = 0.9705
-    assert rundir.accuracy_with_interval(0.0, 500) == "0.000 (<= 0.006)"       # 1 - 0.05^(1/500) = 0.0060
-    assert rundir.accuracy_with_interval(0.0, 2) == "0.000 (<= 0.776)"         # 1 - sqrt(0.05), not 3/2
+    assert accuracy_with_interval(1.0, 100) == "1.000 (>= 0.970)"       # 0.05^(1/100) = 0.9705
+    assert accuracy_with_interval(0.0, 500) == "0.000 (<= 0.006)"       # 1 - 0.05^(1/500) = 0.0060
+    assert accuracy_with_interval(0.0, 2) == "0.000 (<= 0.776)"         # 1 - sqrt(0.05), not 3/2

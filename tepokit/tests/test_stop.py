@@ -46,7 +46,7 @@ def test_a_stop_signal_finishes_the_step_and_resume_logs_every_step_once(workdir
 # final save and the summary.
 SIGNAL_PLACES = [*[(text, 2) for text in ("stopping = stop.requested", "if step % args.save_every", "if stopping:")],
                  *[(text, 3) for text in ("if step % args.save_every", "if last_step == args.steps", "save_pretrained",
-                                          "rows = rundir.read_log", "rundir.write_summary(", "if stop.requested:")]]
+                                          "rows = rundir.read_log", "write_summary(", "if stop.requested:")]]
 
 
 @pytest.mark.parametrize("text, step", SIGNAL_PLACES)
@@ -76,7 +76,7 @@ def test_a_stop_during_a_comparison_stops_it_and_the_command_it_prints_goes_on(w
     and the last line gives the command that goes on; it reads the finished run back and runs the rest."""
     out = "runs/cmp_stopped"
     argv = [*MICRO, "--compare", "grpo,tepo", "--steps", "2", "--out", out]
-    with signal_at(ts.train, line_of(ts.train, "rundir.write_summary("), step=2), pytest.raises(Stopped) as stop:
+    with signal_at(ts.train, line_of(ts.train, "write_summary("), step=2), pytest.raises(Stopped) as stop:
         ts.main(argv)
     assert stop.value.exit_status == 143
     message = stop.value.message

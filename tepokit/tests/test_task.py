@@ -37,6 +37,29 @@ def test_answer_parsing(text, strict, lenient):
     assert parse_lenient(text) == (None if lenient is None else Decimal(lenient))
 
 
+@pytest.mark.parametrize("answer, gold", [
+    ("2+3=5\n#### 5", "5"), ("#### -5", "-5"), ("#### 1,234", "1234"), ("#### 3.50", "3.5"), ("42", "42"),
+    ("#### .5", "0.5"), ("#### -.25", "-0.25"), ("  #### 7  \n", "7"), ("#### 1\n#### 2", "2"),
+    ("#### 3/4", None), ("#### 1e3", None), ("#### 2,5", None), ("#### 1,23", None), ("#### 7 apples", None),
+    ("3/4", None), ("The answer is 4", None), ("#### ", None), ("seven", None), ("", None),
+])
+def test_gold_answers_are_one_number_or_unreadable(answer, gold):
+    """One rule: after the last ####, or the whole answer without one, exactly one number. A fraction, an
+    exponent or a decimal comma is unreadable, never read as its last digits."""
+    assert gold_answer(answer) == (None if gold is None else Decimal(gold))
+
+
+def test_unreadable_gold_answers_are_left_out_in_one_warning_never_misread(tmp_path):
+    rows = [(f"What is {i} plus 1?", f"#### {i + 1}") for i in range(16)]
+    rows[2], rows[5], rows[9], rows[11] = [(f"Q{i}?", a) for i, a in ((2, "#### 3/4"), (5, "#### 1e3"),
+                                                                       (9, "#### 2,5"), (11, "#### .5"))]
+    task, err = load_with_stderr(dataset=write_jsonl(tmp_path / "d.jsonl", rows), n_test=4)
+    assert len(err) == 1 and "3 of 16 (" in err[0] and "answers have no number the reward can read" in err[0], err
+    kept = dict(zip(list(task["train"]["question"]) + list(task["test"]["question"]),
+                    list(task["train"]["answer"]) + list(task["test"]["answer"])))
+    assert {"Q2?", "Q5?", "Q9?"}.isdisjoint(kept) and gold_answer(kept["Q11?"]) == Decimal("0.5")
+
+
 def test_parsing_long_hostile_text_is_fast():
     text = ("9" * 100_000) + " eval(" * 50_000 + "#### 5"
     assert parse_strict(text) == Decimal(5)
@@ -104,6 +127,45 @@ def test_malformed_jsonl_is_reported_by_file_and_line(tmp_path):
         assert e.value.code == 2 and len(err.getvalue().splitlines()) == 1
         assert str(path) in err.getvalue() and all(n in err.getvalue() for n in needles), err.getvalue()
         assert "hub" not in err.getvalue()
+
+
+@pytest.mark.parametrize("name, text, needles", [
+    ("d.json", '[{"question": "q", "answer": 42}]', ("row 1", "answer must be text, got int 42")),
+    ("d.json", '[{"question": "q", "answer": "#### 1"}, {"answer": "#### 2"}]', ("row 2", "question", "missing")),
+    ("d.json", '[{"question": "q", "answer": "#### 1"}, 7]', ("row 2", "needs a JSON object")),
+    ("d.json", '[{"question": "q", "answer": "#### 1"},]', ("line 1", "not valid JSON")),
+    ("d.json", '{"question": "q", "answer": null}\n', ("line 1", "answer must be text, got NoneType")),
+    ("d.json", '{\n  "data": [{"question": "q", "answer": "#### 1"}]\n}\n', ("holds one JSON object (keys: data)",)),
+    ("d.jsonl", '{"question": ["q"], "answer": "#### 1"}\n', ("line 1", "question must be text, got list")),
+])
+def test_every_json_format_gets_the_same_field_checks(tmp_path, name, text, needles):
+    path = tmp_path / name
+    path.write_text(text)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+        load_task(ts.Args(dataset=str(path)))
+    assert e.value.code == 2 and len(err.getvalue().splitlines()) == 1, err.getvalue()
+    assert str(path) in err.getvalue() and all(n in err.getvalue() for n in needles), err.getvalue()
+
+
+def test_a_dataset_directory_with_numeric_answers_is_refused_in_one_line(tmp_path):
+    import datasets
+    rows = datasets.Dataset.from_list([{"question": f"q{i}", "answer": i} for i in range(12)])
+    datasets.DatasetDict({"train": rows}).save_to_disk(tmp_path / "d")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+        load_task(ts.Args(dataset=str(tmp_path / "d")))
+    assert e.value.code == 2 and len(err.getvalue().splitlines()) == 1, err.getvalue()
+    assert "split train, row 1: answer must be text, got int 0" in err.getvalue()
+
+
+@pytest.mark.parametrize("name", ["d.jsonl", "d.json"])
+def test_a_utf8_file_with_a_byte_order_mark_is_read(tmp_path, name):
+    rows = [{"question": f"What is {i} plus 1?", "answer": f"#### {i + 1}"} for i in range(12)]
+    text = json.dumps(rows) if name == "d.json" else "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + text.encode())
+    task = load_task(ts.Args(dataset=str(tmp_path / name), n_test=2))
+    assert sorted([*task["train"]["question"], *task["test"]["question"]]) == sorted(r["question"] for r in rows)
 
 
 # ---- validation on load (tepokit/task.py::validate_task) -------------------------------------------------

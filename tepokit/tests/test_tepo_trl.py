@@ -16,7 +16,7 @@ import torch
 
 import tepo
 import train_small as ts
-from tepokit import rundir
+from tepokit import resume
 from tepokit.cli import parse_args
 from tepokit.stop import Stopped
 from tepokit.model import prepare_start_model
@@ -246,8 +246,8 @@ def test_trl_resume_falls_back_to_the_newest_whole_checkpoint(damage, two_trl_ch
     assert without_timing(read_rows(out)) == without_timing(uninterrupted_rows)
     assert [r["step"] for r in read_rows(out)] == [0, 1, 2]
     assert Path(out, "policy", "model.safetensors").read_bytes() == uninterrupted_policy
-    assert rundir.trl_checkpoint_problem(os.path.join(out, "checkpoint-4")) is None       # written again, whole
-    assert rundir.trl_checkpoint_problem(os.path.join(out, "incomplete-checkpoint-4")).startswith(phrase)
+    assert resume.trl_checkpoint_problem(os.path.join(out, "checkpoint-4")) is None       # written again, whole
+    assert resume.trl_checkpoint_problem(os.path.join(out, "incomplete-checkpoint-4")).startswith(phrase)
 
 
 def test_trl_resume_without_a_whole_checkpoint_is_one_line_and_changes_nothing(two_trl_checkpoints, capsys):

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tepokit import rundir
+from tepokit import resume
 from tepokit.tests.fixed_batch_step import expected_reward_mean, one_step, save_tiny_model
 from tepokit.tests.helpers import MICRO, REPO, SCRIPT
 
@@ -149,7 +149,7 @@ def test_train_small_engine_trl_under_torchrun_is_one_run_that_logs_the_global_r
     checkpoint = run_dir / "checkpoint-2"
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(os.listdir(checkpoint)) and not os.path.exists(
         checkpoint / "rng_state.pth")
-    assert rundir.trl_checkpoint_problem(str(checkpoint)) is None       # whole, as --resume checks it
+    assert resume.trl_checkpoint_problem(str(checkpoint)) is None       # whole, as --resume checks it
     trl_config = json.load(open(run_dir / "config.json"))["grpo_config"]
     assert trl_config["per_device_train_batch_size"] * trl_config["steps_per_generation"] == 4
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]

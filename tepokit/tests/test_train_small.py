@@ -10,10 +10,10 @@ import torch
 
 import tepo
 import train_small as ts
-from tepokit import rundir
 from tepokit.entropy_check import checked_rows
 from tepokit.model import build_char_tokenizer, build_tiny_model
 from tepokit.stats import accuracy_auc
+from tepokit.summary import accuracy_with_interval
 from tepokit.tests.helpers import (F64, MICRO, assert_close, brute_force_pass_at_k, hand_batch, micro_run,
                                    read_details, read_rows, run_main, start_process, without_timing)
 
@@ -314,7 +314,7 @@ def test_evaluations_and_the_result_stay_on_screen_and_a_resumed_bar_counts_from
                      r"\(mean of steps 1-2\)$", out, re.M)
     block = out[out.index("done: tepo, seed 1, 2 RL steps in"):]
     summary = json.load(open("runs/screen/summary.json"))
-    assert f"{rundir.accuracy_with_interval(summary['start_accuracy'], 4)} -> " in block
+    assert f"{accuracy_with_interval(summary['start_accuracy'], 4)} -> " in block
     assert "95% intervals over 4 problems" in block
     assert "(2 samples of each of 2 problems)" in block          # what the sampled accuracy was measured on
     assert f"token entropy        {e1:.3f} -> {e2:.3f} nats ({100 * (e2 / e1 - 1):+.0f}%; first and last step)" \
@@ -407,3 +407,19 @@ def test_two_runs_of_one_command_started_together_write_the_same_rows(tmp_path):
     assert [r["step"] for r in a] == list(range(7))
     for row_a, row_b in zip(a, b):
         assert row_a == row_b, {k: (v, row_b.get(k)) for k, v in row_a.items() if row_b.get(k) != v}
+
+
+def test_intervals_count_the_problems_evaluated_not_n_test(workdir, capsys):
+    """A 20-row data set holds out a fifth, 4 problems: every interval, the summary block and the logged counts
+    say 4, not --n-test 16 nor --pass-k-problems 8."""
+    with open("twenty.jsonl", "w") as f:
+        f.writelines(json.dumps({"question": f"What is {i} plus 1?", "answer": f"#### {i + 1}"}) + "\n"
+                     for i in range(20))
+    run_main([*MICRO, "--dataset", "twenty.jsonl", "--n-test", "16", "--pass-k-problems", "8", "--steps", "2",
+              "--out", "runs/twenty"])
+    out = capsys.readouterr().out
+    evals = [r for r in read_rows("runs/twenty") if "eval/accuracy" in r]
+    assert [(r["eval/problems"], r["eval/pass_k_problems"]) for r in evals] == [(4, 4), (4, 4)]
+    assert "(the start model; +- : 95% intervals over 4 and 4 problems)" in out
+    assert "greedy; 95% intervals over 4 problems)" in out and "(2 samples of each of 4 problems)" in out
+    assert "16 problems" not in out and "8 problems" not in out
