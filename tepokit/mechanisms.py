@@ -11,7 +11,8 @@ they have little or nothing to do. This module measures it, every --effect-check
   effect/<mechanism>/tokens_rewarded   of those, the tokens of rows with advantage > 0
   effect/<mechanism>/tokens_decision   of those, decision tokens (the hidden-type task's operator)
   effect/<mechanism>/update_change     |g_on - g_off| / |g_on|: how much the mechanism changed the gradient
-  effect/<mechanism>/update_cosine     cos(g_on, g_off)
+  effect/<mechanism>/update_cosine     cos(g_on, g_off); both 0 when g_on = 0 (no gradient, or the mechanism
+                                       took it all away: its token count tells which)
   effect/tokens                        valid tokens measured (the denominator of the counts)
 
 g_on is the gradient of the objective with respect to every parameter on the rows of the step's last mini-batch

@@ -384,6 +384,7 @@ def mechanisms(plt, run: dict, notes: list):
         right.plot(x, 100 * touched / valid[np.isin(x_all, x)], line(len(x)), ms=4, lw=1.5, color=f"C{i}", label=name)
     left.axhline(5, color="k", lw=0.8, ls="--", label="5% of the gradient's norm")
     left.set_yscale("symlog", linthresh=1)        # from 0 to the hundreds of % a clip makes far off-policy
+    left.set_ylim(bottom=0)
     every = setting(run, "effect_check_every")
     checked = f" (every {ordinal(every)} step)" if every and every > 1 else ""
     left.set(xlabel="RL step", ylabel="|g with − g without| / |g with|, %",
