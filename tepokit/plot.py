@@ -385,8 +385,8 @@ def mechanisms(plt, run: dict, notes: list):
     left.axhline(5, color="k", lw=0.8, ls="--", label="5% of the gradient's norm")
     left.set_yscale("symlog", linthresh=1)        # from 0 to the hundreds of % a clip makes far off-policy
     left.set_ylim(bottom=0)
-    every = setting(run, "effect_check_every")
-    checked = f" (every {ordinal(every)} step)" if every and every > 1 else ""
+    every = int(np.diff(x_all).min()) if len(x_all) > 1 else 0      # the steps measured, read from the log
+    checked = f" (every {ordinal(every)} step)" if every > 1 else ""
     left.set(xlabel="RL step", ylabel="|g with − g without| / |g with|, %",
              title="How much each mechanism changed the update" + checked)
     right.set(xlabel="RL step", ylabel="% of completion tokens", title="Tokens whose gradient it changed")
