@@ -21,8 +21,7 @@ Read it top to bottom:
         4. advantages              tepo.group_advantages; DAPO's filter                     (compute_advantages)
         5. old log-probs           the sampler's, or recomputed (--recompute-old-logprobs)  (rollout_statistics)
         6. update                  one optimizer step per mini-batch, tepo.OBJECTIVES       (update_policy)
-        7. measure                 after the update and outside it: entropy change predicted vs measured,
-                                   what each mechanism did to the update, the forks           (measure_step)
+        7. measure                 after the update: entropy change, mechanisms' effects    (measure_step)
   5. evaluate         held-out accuracy (greedy) and pass@k
   6. the loop         train: start or resume a run, then step, evaluate, log and checkpoint
 A second built-in task, `--task hidden-type`, is made for entropy collapse: two hidden types of problem, 70/30,
@@ -74,7 +73,7 @@ from tepokit.forks import eval_by_type
 from tepokit.forward import completion_logits, precision_noise_floor, rows_per_forward, token_entropy, token_logprobs
 from tepokit.kl_mask_log import KLMaskDetails
 from tepokit.measure import measure_step
-from tepokit.memory import check_memory, peak_memory_mb, process_memory_mb, reset_peak_memory
+from tepokit.memory import check_memory, check_memory_on_device, peak_memory_mb, process_memory_mb, reset_peak_memory
 from tepokit.model import eos_ids_of, load_policy, pick_device, prepare_start_model
 from tepokit.report import Trackers, trackers_of
 from tepokit.sampling import recompute_old_logprobs, sample, sampler_logprobs_wanted
@@ -672,8 +671,10 @@ def main(argv=None) -> int:
     with StopSignals():           # until the RL loop takes over: a stop signal ends the program at once
         if args.dry_run:
             dry_run(args, obj_overrides)
-        elif args.bench or args.check_memory_on_device:   # our step against TRL's, or its memory (tepokit/bench.py)
+        elif args.bench:          # our step against TRL's GRPOTrainer on the same work (tepokit/bench.py)
             bench.benchmark(args, obj_overrides, train)
+        elif args.check_memory_on_device:   # the plan beside each phase's measured peak (tepokit/memory.py)
+            check_memory_on_device(args, obj_overrides, train)
         elif args.compare:        # several objectives x seeds, paired by seed (tepokit/compare.py)
             compare.compare_objectives(args, obj_overrides, train)
         elif args.engine == "trl":    # the same objective inside TRL's GRPOTrainer (tepokit/tepo_trl.py; needs trl)

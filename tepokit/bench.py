@@ -87,11 +87,7 @@ def benchmark(args, obj_overrides: dict, train) -> None:
     mini-batches, micro-batches, epochs, learning rate, precision and checkpointing (bench_trl_config), and
     every row trained: DAPO's dynamic sampling, which drops the groups whose rewards are all equal, is
     turned off on our side (TRL's GRPOTrainer has no such filter). A reference model on both sides when
-    the objective needs one (TRL's beta). What still differs is printed with the result.
-    With --check-memory-on-device it measures memory instead (tepokit/memory.py, check_memory_on_device)."""
-    if args.check_memory_on_device:      # main() sends both measuring modes here
-        from tepokit.memory import check_memory_on_device
-        return check_memory_on_device(args, obj_overrides, train)
+    the objective needs one (TRL's beta). What still differs is printed with the result."""
     try:
         import trl  # noqa: F401
     except ImportError:
