@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import math
 
+import torch
+
 from tepokit.errors import first_line
 
 # What the errors raised by non-finite numbers say: tepo.py's input check (a ValueError) and torch's sampler
@@ -47,8 +49,12 @@ def check_finite(step: int, row: dict, run) -> None:
 
 
 def non_finite_weights(model) -> list[str]:
-    """The names of the model's weight tensors that hold a NaN or an infinity."""
-    return [name for name, p in model.named_parameters() if not bool(p.isfinite().all())]
+    """The names of the model's weight tensors that hold a NaN or an infinity. Every step asks: one reduction over
+    all of them (one device sync), and the names only when one is not finite."""
+    named = list(model.named_parameters())
+    if bool(torch.stack([p.isfinite().all() for _, p in named]).all()):
+        return []
+    return [name for name, p in named if not bool(p.isfinite().all())]
 
 
 @contextlib.contextmanager

@@ -155,10 +155,10 @@ def mechanism_effects(model, batch, old, adv: torch.Tensor, plan: list, objectiv
                         acc += g.to(acc.dtype)
         del logits, logp
     g_on = torch.cat([g.flatten() for g in total["on"]]).double()        # float64: a cosine of 1 reads 1
+    norm_on = g_on.norm()
     out = {"effect/tokens": float(n_valid)}
     for name in switches:
         g_off = torch.cat([g.flatten() for g in total[name]]).double()
-        norm_on = g_on.norm()
         out[f"effect/{name}/update_change"] = ((g_on - g_off).norm() / norm_on).item() if norm_on > 0 else 0.0
         out[f"effect/{name}/update_cosine"] = torch.nn.functional.cosine_similarity(g_on, g_off, dim=0).item()
         out[f"effect/{name}/tokens"] = float(counts[f"{name}/tokens"])

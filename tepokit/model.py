@@ -218,8 +218,9 @@ def supervised_warmup(model, tokenizer, train_split, args, device):
         opt.step()
         sched.step()
         bar.set_postfix(loss=f"{loss.item():.3f}")
-    if non_finite_weights(model):
-        raise warmup_diverged(f"the warm-up's last step left {non_finite_weights(model)[0]} non-finite", args)
+    bad = non_finite_weights(model)
+    if bad:
+        raise warmup_diverged(f"the warm-up's last step left {bad[0]} non-finite", args)
     model.eval()
 
 
