@@ -71,7 +71,6 @@ from tepokit.entropy_check import EntropyCheckPositions, checked_rows
 from tepokit.errors import fail, os_error_line
 from tepokit.forks import eval_by_type
 from tepokit.forward import completion_logits, precision_noise_floor, rows_per_forward, token_entropy, token_logprobs
-from tepokit.kl_mask_log import KLMaskDetails
 from tepokit.measure import measure_step
 from tepokit.memory import check_memory, check_memory_on_device, peak_memory_mb, process_memory_mb, reset_peak_memory
 from tepokit.model import eos_ids_of, load_policy, pick_device, prepare_start_model
@@ -316,16 +315,15 @@ def rl_step(run: Run, step: int) -> tuple[dict, dict | None]:
     check_entropy = check_entropy and bool(plan)       # no update, no entropy change to measure
     old, rollout_stats = rollout_statistics(run, batch, adv, plan, check_entropy)   # 5. OldPolicy; dict of floats
     clock.lap("old_logprobs")
-    # TEPO: which tokens the KL mask took, per mini-batch (tepokit/kl_mask_log.py, for details.jsonl); else None
-    details = KLMaskDetails(run.cfg, batch.completion_ids.shape[1], run.device) if run.details_path else None
-    losses = update_policy(run, batch, old, adv, plan, details) if plan else {}     # 6. dict of floats
+    losses, seen = update_policy(run, batch, old, adv, plan) if plan else ({}, [])  # 6. dict; what the loss saw
     clock.lap("update")
-    measured = measure_step(run, step, batch, old, adv, plan, texts, records, scored["strict"], check_entropy)  # 7.
+    measured, details = measure_step(run, step, batch, old, adv, plan, seen, texts, records, scored,  # 7. dict, and
+                                     check_entropy)                                     # TEPO's details.jsonl row
     clock.lap("measure")
     tokens = batch.completion_mask.sum().item()
     row = {"step": step, **rollout_metrics(batch, scored, keep, args), **rollout_stats, **losses, **measured,
            **clock.row(), "perf/tokens_per_second": tokens / clock.total()}
-    return row, details.row(step, batch, scored["rewards"], run.tokenizer) if details else None
+    return row, details
 
 
 def learning_rate(step: int, args: Args) -> float:
@@ -421,8 +419,10 @@ def rollout_statistics(run: Run, batch: Rollout, adv: torch.Tensor, plan: list, 
     return old, metrics
 
 
-def update_policy(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor, plan: list, details=None) -> dict:
+def update_policy(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor, plan: list) -> tuple[dict, list]:
     """One optimizer step per mini-batch of the plan, its gradient accumulated over its micro-batches.
+    Returns the losses' metrics (averaged over the optimizer steps) and what the objective saw: per optimizer step,
+    per micro-batch, (rows [b], log pi [b, T], entropy [b, T] or None), detached, for the measurements after it.
 
     The objective is told the mini-batch's token and sequence counts (num_tokens, num_seqs), so the
     micro-batch losses add up to the mini-batch's loss, gradient included (tepo.aggregate_loss).
@@ -434,22 +434,22 @@ def update_policy(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor, p
     if args.gradient_checkpointing:
         model.train()   # transformers checkpoints only in train mode; dropout is off (switch_off_dropout)
     mask, adv = batch.completion_mask, adv.to(batch.completion_mask.device)
-    steps, first = [], None
+    steps, first, seen = [], None, []
     for i, micro_batches in enumerate(plan):
         rows = torch.cat(micro_batches)
         counts = dict(num_tokens=mask[rows].sum().item(), num_seqs=float(len(rows)))   # the whole mini-batch's
         run.optimizer.zero_grad(set_to_none=True)
-        parts = []
+        parts, seen_here = [], []
         for micro in micro_batches:
             # before the first optimizer step the policy's own forward becomes the old policy (OldPolicy.take_rows)
-            loss, metrics, log_ratio = micro_batch_loss(run, batch, old, adv, micro, counts, details,
-                                                        replace_old=i == 0 and not run.recompute)
+            loss, metrics, log_ratio, micro_seen = micro_batch_loss(run, batch, old, adv, micro, counts,
+                                                                    replace_old=i == 0 and not run.recompute)
             loss.backward()
             parts.append((metrics, mask[micro].sum().item()))
+            seen_here.append(micro_seen)
             if first is None:   # before any optimizer step: the first micro-batch must be exactly on-policy
                 first = log_ratio
-        if details is not None:
-            details.close()
+        seen.append(seen_here)
         metrics = combine_micro_batches(parts)
         metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
         run.optimizer.step()
@@ -459,12 +459,13 @@ def update_policy(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor, p
     out["ratio/min"], out["ratio/max"] = min(m["ratio/min"] for m in steps), max(m["ratio/max"] for m in steps)
     out["logprobs/first_minibatch_max_abs_log_ratio"] = first.max().item() if len(first) else 0.0
     out["logprobs/first_minibatch_mean_abs_log_ratio"] = first.mean().item() if len(first) else 0.0
-    return out
+    return out, seen
 
 
 def micro_batch_loss(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor, rows: torch.Tensor, counts: dict,
-                     details=None, replace_old: bool = False):
-    """The objective on one micro-batch: (loss [], metrics, |log pi - log pi_old| at its valid tokens [n]).
+                     replace_old: bool = False):
+    """The objective on one micro-batch: (loss [], metrics, |log pi - log pi_old| at its valid tokens [n], and
+    what it saw: (rows [b], log pi [b, T], entropy [b, T] or None), detached).
 
     replace_old (the first mini-batch, with the sampler's old log-probs): this forward's log-probs and
     entropies replace the sampler's rows of `old` (OldPolicy.take_rows says why), after the returned
@@ -474,10 +475,10 @@ def micro_batch_loss(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor
     mask, tokens = batch.completion_mask[idx], batch.completion_ids[idx]     # [b, T]
     logits = completion_logits(run.model, batch, rows, args)                       # [b, T, V]
     logp = token_logprobs(logits, tokens, args.temperature)                          # [b, T]
-    # The current entropy: for the objective when its criterion needs it, and for the details log
-    # (the measured criterion) even when it does not; the loss gets it only in the first case.
+    # The current entropy: for the objective when its criterion needs it, and for TEPO always, whose details.jsonl
+    # sets its two entropy criteria side by side (tepokit/kl_mask_log.py); the loss gets it only in the first case.
     needs_entropy = tepo.needs_entropy(args.objective, cfg)
-    entropy = token_entropy(logits, args.temperature) if needs_entropy or details is not None else None
+    entropy = token_entropy(logits, args.temperature) if needs_entropy or args.objective == "tepo" else None
     log_ratio = (logp.detach() - old.logp[idx]).abs()[mask.bool()]
     if replace_old:
         old.take_rows(idx, logp, entropy)
@@ -487,9 +488,7 @@ def micro_batch_loss(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor
                                   entropy=entropy if needs_entropy else None,
                                   old_entropy=old_entropy if needs_entropy else None, **counts)
     loss = loss + tepo.entropy_bonus(logits, mask, cfg, args.temperature, **counts)   # 0 unless --entropy-coef
-    if details is not None:
-        details.add(idx, logp, old_logp, adv[idx], mask, entropy, old_entropy)
-    return loss, metrics, log_ratio
+    return loss, metrics, log_ratio, (idx, logp.detach(), entropy.detach() if entropy is not None else None)
 
 
 def rollout_metrics(batch: Rollout, scored: dict, keep: torch.Tensor, args: Args) -> dict:

@@ -1,5 +1,5 @@
-"""details.jsonl: where TEPO's KL mask falls in each RL step (logging only; nothing flows back into
-the loss)."""
+"""details.jsonl: where TEPO's KL mask falls in each RL step, rebuilt after the update from what its loss saw
+(logging only; nothing flows back into the loss)."""
 
 from __future__ import annotations
 
@@ -39,9 +39,9 @@ class KLMaskDetails:
                                     the current ones, so off-policy a sign can differ), log_ratio
                                     (log pi - log pi_old); floats rounded to 4, 5 and 6 decimals
 
-    update_policy calls add() once per micro-batch and close() after each optimizer step; row() then
-    builds the JSON row. Every mask is rebuilt here from detached tensors and nothing flows back into
-    the loss or the optimizer, so a run's metrics.jsonl is the same with or without it.
+    kl_mask_details (below) calls add() once per micro-batch and close() after each optimizer step, from what
+    update_policy returns that the loss saw; row() then builds the JSON row. Every mask is rebuilt here from
+    detached tensors after the update, and nothing flows back into the loss or the optimizer.
     """
 
     def __init__(self, cfg: tepo.ObjectiveConfig, T: int, device):
@@ -107,3 +107,18 @@ class KLMaskDetails:
                 **{f"kl_mask{key}": tokens_of(m[j].int()) for key, m in last["masks"].items()},
                 "entropy": tokens_of(last["old_entropy"][j], 4), "entropy_after": tokens_of(last["entropy"][j], 4),
                 "cov": tokens_of(cov, 5), "log_ratio": tokens_of(last["logp"][j] - last["old_logp"][j], 6)}
+
+
+def kl_mask_details(cfg: tepo.ObjectiveConfig, step: int, seen: list, batch, old, adv: torch.Tensor,
+                    rewards: torch.Tensor, tokenizer) -> dict:
+    """The details.jsonl row of one RL step. seen: what the loss saw, per optimizer step, per micro-batch:
+    (rows [b], log pi [b, T], entropy [b, T]) (train_small.update_policy); old: the OldPolicy, whose log-probs
+    and entropies are the ones the loss compared with (its first mini-batch's rows were replaced before use)."""
+    mask = batch.completion_mask
+    adv = adv.to(mask.device)
+    details = KLMaskDetails(cfg, batch.completion_ids.shape[1], mask.device)
+    for micro_batches in seen:
+        for rows, logp, entropy in micro_batches:
+            details.add(rows, logp, old.logp[rows], adv[rows], mask[rows], entropy, old.entropy[rows])
+        details.close()
+    return details.row(step, batch, rewards, tokenizer)

@@ -2,7 +2,9 @@
 
   - the entropy change of the update, predicted against measured (tepokit/entropy_check.py);
   - what each mechanism of the objective did to the update (tepokit/mechanisms.py);
-  - the rollout's forks: the decision tokens and strategies of the hidden-type task (tepokit/forks.py).
+  - the rollout's forks: the decision tokens and strategies of the hidden-type task (tepokit/forks.py);
+  - for TEPO, where its KL mask fell in each mini-batch (details.jsonl, tepokit/kl_mask_log.py), rebuilt from what
+    the loss saw (update_policy returns it), so it is the mask the update used.
 
 The update is not told that it is measured: each measurement makes its own forward (and backward) passes
 after it, and draws no random number from the run's stream, so a run's training is the same with any of
@@ -12,15 +14,17 @@ from __future__ import annotations
 
 from tepokit.entropy_check import NO_ENTROPY_CHANGE, entropy_check
 from tepokit.forks import decision_mask, rollout_fork_metrics
+from tepokit.kl_mask_log import kl_mask_details
 from tepokit.mechanisms import effect_check_interval, mechanism_effects
 
 
-def measure_step(run, step: int, batch, old, adv, plan: list, texts: list[str], records, correct,
-                 check_entropy: bool) -> dict:
-    """The step's measurements as one dict of floats. batch: the Rollout; old: the OldPolicy (its logits before
-    the update, where the entropy check ran); adv [B]; plan: the update's mini-batches ([] when there was no
-    update); texts [B]; records: the step's problems (a Dataset of B / G rows; the hidden-type task's have a
-    type, and with a cue a cue); correct [B]; check_entropy: this step checks the entropy change."""
+def measure_step(run, step: int, batch, old, adv, plan: list, seen: list, texts: list[str], records, scored: dict,
+                 check_entropy: bool) -> tuple[dict, dict | None]:
+    """The step's measurements: one dict of floats for metrics.jsonl, and TEPO's details.jsonl row (else None).
+    batch: the Rollout; old: the OldPolicy (its logits before the update, where the entropy check ran); adv [B];
+    plan: the update's mini-batches ([] when there was no update); seen: what the loss saw (update_policy);
+    texts [B]; records: the step's problems (a Dataset of B / G rows; the hidden-type task's have a type, and with
+    a cue a cue); scored: rewards and strict correctness [B]; check_entropy: this step checks the entropy change."""
     args = run.args
 
     def each_row(column):                  # a column of the problems, one value per completion [B]; or None
@@ -36,6 +40,8 @@ def measure_step(run, step: int, batch, old, adv, plan: list, texts: list[str], 
         decisions = (decision_mask(texts, batch.completion_mask.shape, batch.completion_mask.device)
                      if types is not None and one_token_per_character else None)                    # [B, T]
         row |= mechanism_effects(run.model, batch, old, adv, plan, args.objective, run.cfg, args, step, decisions)
-    row |= rollout_fork_metrics(texts, types, old.entropy, old.logp, adv, batch.completion_mask, correct,
+    row |= rollout_fork_metrics(texts, types, old.entropy, old.logp, adv, batch.completion_mask, scored["strict"],
                                 args.group_size, one_token_per_character, each_row("answer"), each_row("cue"))
-    return row
+    details = (kl_mask_details(run.cfg, step, seen, batch, old, adv, scored["rewards"], run.tokenizer)
+               if run.details_path else None)
+    return row, details
