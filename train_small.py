@@ -285,14 +285,6 @@ class OldPolicy:
     ref_logp: torch.Tensor | None       # [B, T] the reference model's log-probs, when the objective needs them
     entropy_check_positions: EntropyCheckPositions  # logits before the update where step 7 measures
 
-    def take_rows(self, rows: torch.Tensor, logp: torch.Tensor, entropy: torch.Tensor | None) -> None:
-        """Rows [b] become the policy's own forward (logp, entropy [b, T]). Before the rollout's first optimizer
-        step the policy IS the old policy: its forward replaces the sampler's values, which differ from it by
-        rounding, so the first mini-batch is exactly on-policy; later epochs read the replaced values."""
-        self.logp[rows] = logp.detach().to(self.logp.dtype)
-        if entropy is not None:
-            self.entropy[rows] = entropy.detach().to(self.entropy.dtype)
-
 
 def rl_step(run: Run, step: int) -> tuple[dict, dict | None]:
     """One RL step, the seven steps of the module docstring. B = --prompts-per-step x --group-size rows.
@@ -315,7 +307,7 @@ def rl_step(run: Run, step: int) -> tuple[dict, dict | None]:
     check_entropy = check_entropy and bool(plan)       # no update, no entropy change to measure
     old, rollout_stats = rollout_statistics(run, batch, adv, plan, check_entropy)   # 5. OldPolicy; dict of floats
     clock.lap("old_logprobs")
-    losses, seen = update_policy(run, batch, old, adv, plan) if plan else ({}, [])  # 6. dict; what the loss saw
+    losses, old, seen = update_policy(run, batch, old, adv, plan) if plan else ({}, old, [])  # 6. (update_policy)
     clock.lap("update")
     measured, details = measure_step(run, step, batch, old, adv, plan, seen, texts, records, scored,  # 7. dict, and
                                      check_entropy)                                     # TEPO's details.jsonl row
@@ -403,9 +395,9 @@ def rollout_statistics(run: Run, batch: Rollout, adv: torch.Tensor, plan: list, 
             entropy[rows] = token_entropy(logits, args.temperature).to(dtype)
             positions.capture(rows, logits)
             del logits                 # before the next forward allocates its own
-    else:                              # the sampler's, computed at the same temperature; copies, because the
-        old_logp = batch.sampling_logp.to(dtype, copy=True)      # first mini-batch replaces them (take_rows)
-        entropy = batch.sampling_entropy.to(dtype, copy=True)                    # [B, T]
+    else:                              # the sampler's, computed at the same temperature (update_policy replaces
+        old_logp = batch.sampling_logp.to(dtype)                 # the first mini-batch's with its own forward's)
+        entropy = batch.sampling_entropy.to(dtype)                               # [B, T]
         if positions.rows:
             positions.capture(torch.arange(positions.rows), batch.sampling_logits[:positions.rows])
     old = OldPolicy(logp=old_logp, entropy=entropy, ref_logp=ref_logp, entropy_check_positions=positions)
@@ -419,10 +411,17 @@ def rollout_statistics(run: Run, batch: Rollout, adv: torch.Tensor, plan: list, 
     return old, metrics
 
 
-def update_policy(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor, plan: list) -> tuple[dict, list]:
+def update_policy(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor, plan: list) -> tuple[dict, OldPolicy,
+                                                                                               list]:
     """One optimizer step per mini-batch of the plan, its gradient accumulated over its micro-batches.
-    Returns the losses' metrics (averaged over the optimizer steps) and what the objective saw: per optimizer step,
-    per micro-batch, (rows [b], log pi [b, T], entropy [b, T] or None), detached, for the measurements after it.
+    Returns the losses' metrics (averaged over the optimizer steps), the old policy as the loss compared with it
+    (below), and what the loss saw: per optimizer step, per micro-batch, (rows [b], log pi [b, T], entropy [b, T]
+    or None), detached, for the measurements after the update.
+
+    Before the rollout's first optimizer step the policy IS the old policy. With the sampler's old log-probs
+    (which differ from the policy's forward by rounding), the first mini-batch's own forward therefore becomes the
+    old policy of its rows, so that it is exactly on-policy, and later epochs read those values: a copy of `old`
+    is updated, `old` itself stays as the rollout made it.
 
     The objective is told the mini-batch's token and sequence counts (num_tokens, num_seqs), so the
     micro-batch losses add up to the mini-batch's loss, gradient included (tepo.aggregate_loss).
@@ -434,6 +433,7 @@ def update_policy(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor, p
     if args.gradient_checkpointing:
         model.train()   # transformers checkpoints only in train mode; dropout is off (switch_off_dropout)
     mask, adv = batch.completion_mask, adv.to(batch.completion_mask.device)
+    old_logp, old_entropy = old.logp.clone(), old.entropy.clone()       # [B, T]: the old policy as the loss sees it
     steps, first, seen = [], None, []
     for i, micro_batches in enumerate(plan):
         rows = torch.cat(micro_batches)
@@ -441,10 +441,15 @@ def update_policy(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor, p
         run.optimizer.zero_grad(set_to_none=True)
         parts, seen_here = [], []
         for micro in micro_batches:
-            # before the first optimizer step the policy's own forward becomes the old policy (OldPolicy.take_rows)
-            loss, metrics, log_ratio, micro_seen = micro_batch_loss(run, batch, old, adv, micro, counts,
-                                                                    replace_old=i == 0 and not run.recompute)
+            on_policy = i == 0 and not run.recompute       # the policy's own forward is the old policy (above)
+            loss, metrics, log_ratio, micro_seen = micro_batch_loss(run, batch, old_logp, old_entropy, old.ref_logp,
+                                                                    adv, micro, counts, on_policy)
             loss.backward()
+            if on_policy:
+                rows_b, logp_b, entropy_b = micro_seen
+                old_logp[rows_b] = logp_b.to(old_logp.dtype)
+                if entropy_b is not None:
+                    old_entropy[rows_b] = entropy_b.to(old_entropy.dtype)
             parts.append((metrics, mask[micro].sum().item()))
             seen_here.append(micro_seen)
             if first is None:   # before any optimizer step: the first micro-batch must be exactly on-policy
@@ -459,17 +464,16 @@ def update_policy(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor, p
     out["ratio/min"], out["ratio/max"] = min(m["ratio/min"] for m in steps), max(m["ratio/max"] for m in steps)
     out["logprobs/first_minibatch_max_abs_log_ratio"] = first.max().item() if len(first) else 0.0
     out["logprobs/first_minibatch_mean_abs_log_ratio"] = first.mean().item() if len(first) else 0.0
-    return out, seen
+    return out, dataclasses.replace(old, logp=old_logp, entropy=old_entropy), seen
 
 
-def micro_batch_loss(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor, rows: torch.Tensor, counts: dict,
-                     replace_old: bool = False):
+def micro_batch_loss(run: Run, batch: Rollout, old_logp: torch.Tensor, old_entropy: torch.Tensor,
+                     ref_logp: torch.Tensor | None, adv: torch.Tensor, rows: torch.Tensor, counts: dict,
+                     on_policy: bool = False):
     """The objective on one micro-batch: (loss [], metrics, |log pi - log pi_old| at its valid tokens [n], and
-    what it saw: (rows [b], log pi [b, T], entropy [b, T] or None), detached).
-
-    replace_old (the first mini-batch, with the sampler's old log-probs): this forward's log-probs and
-    entropies replace the sampler's rows of `old` (OldPolicy.take_rows says why), after the returned
-    gap is measured: how far the old log-probs it was given were from this forward's."""
+    what it saw: (rows [b], log pi [b, T], entropy [b, T] or None), detached). old_logp, old_entropy, ref_logp:
+    [B, T] over the whole rollout. on_policy: this forward is the old policy of its rows (update_policy says
+    why); the returned gap then measures how far the old log-probs it was given were from it."""
     args, cfg = run.args, run.cfg
     idx = rows.to(adv.device)
     mask, tokens = batch.completion_mask[idx], batch.completion_ids[idx]     # [b, T]
@@ -479,11 +483,11 @@ def micro_batch_loss(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor
     # sets its two entropy criteria side by side (tepokit/kl_mask_log.py); the loss gets it only in the first case.
     needs_entropy = tepo.needs_entropy(args.objective, cfg)
     entropy = token_entropy(logits, args.temperature) if needs_entropy or args.objective == "tepo" else None
-    log_ratio = (logp.detach() - old.logp[idx]).abs()[mask.bool()]
-    if replace_old:
-        old.take_rows(idx, logp, entropy)
-    old_logp, old_entropy = old.logp[idx], old.entropy[idx]                         # [b, T]
-    ref = old.ref_logp[idx] if old.ref_logp is not None else None
+    log_ratio = (logp.detach() - old_logp[idx]).abs()[mask.bool()]
+    old_logp = logp.detach().to(old_logp.dtype) if on_policy else old_logp[idx]                   # [b, T]
+    own_entropy = on_policy and entropy is not None
+    old_entropy = entropy.detach().to(old_entropy.dtype) if own_entropy else old_entropy[idx]     # [b, T]
+    ref = ref_logp[idx] if ref_logp is not None else None
     loss, metrics = run.objective(logp, old_logp, adv[idx], mask, cfg, ref_logp=ref,
                                   entropy=entropy if needs_entropy else None,
                                   old_entropy=old_entropy if needs_entropy else None, **counts)

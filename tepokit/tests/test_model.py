@@ -85,7 +85,7 @@ def test_dropout_settings_are_off_also_in_train_mode_with_checkpointing(tmp_path
     adv, keep = torch.randn(8), torch.ones(8, dtype=torch.bool)
     plan = ts.minibatch_plan(keep, args)
     old, _ = ts.rollout_statistics(run, batch, adv, plan)
-    metrics, _ = ts.update_policy(run, batch, old, adv, plan)
+    metrics, _, _ = ts.update_policy(run, batch, old, adv, plan)
     assert metrics["logprobs/first_minibatch_max_abs_log_ratio"] == 0.0
 
 

@@ -49,7 +49,8 @@ def test_recomputed_logprobs_equal_sampling_logprobs():
     for recompute in (True, False):
         run = micro_run(copy.deepcopy(base), tok, args, "grpo", recompute=recompute, beta=0.0)
         old, _ = ts.rollout_statistics(run, batch, adv, plan)
-        results[recompute] = old, ts.update_policy(run, batch, old, adv, plan)[0]
+        metrics, old, _ = ts.update_policy(run, batch, old, adv, plan)
+        results[recompute] = old, metrics
     (recomputed, m_recomputed), (sampled, m_sampled) = results[True], results[False]
     mask = batch.completion_mask.bool()
     for key, values in sampler.items():          # the rollout's record stays the sampler's (not an alias of the
@@ -110,7 +111,7 @@ def test_the_samplers_old_logprobs_make_the_recomputed_update_over_epochs_and_mi
         run = micro_run(model, tok, args, objective, recompute=recompute, **overrides)
         run.optimizer = torch.optim.SGD(model.parameters(), lr=0.5)   # a step proportional to the gradient
         old, _ = ts.rollout_statistics(run, batch, adv, plan, check_entropy=False)
-        metrics, _ = ts.update_policy(run, batch, old, adv, plan)
+        metrics, old, _ = ts.update_policy(run, batch, old, adv, plan)
         results[recompute] = torch.cat([p.detach().flatten() for p in model.parameters()]), metrics, old
     (p_recomputed, m_recomputed, recomputed), (p_sampled, m_sampled, sampled) = results[True], results[False]
     start = torch.cat([p.flatten() for p in base.parameters()])
@@ -216,7 +217,7 @@ def test_micro_batches_accumulate_to_the_same_optimizer_steps(objective, overrid
         plan = ts.minibatch_plan(keep, args)
         assert [len(mb) for mb in plan] == ([1, 1] if micro == 0 else [4, 4])
         old, _ = ts.rollout_statistics(run, batch, adv, plan)
-        metrics, _ = ts.update_policy(run, batch, old, adv, plan)
+        metrics, old, _ = ts.update_policy(run, batch, old, adv, plan)
         results.append((torch.cat([p.detach().flatten() for p in model.parameters()]), metrics, old))
     (p0, m0, s0), (p2, m2, s2) = results
     assert_close(p2, p0, atol=1e-6, rtol=0)
@@ -343,7 +344,7 @@ def test_entropy_coef_adds_the_bonus_to_the_objectives_loss_and_gradient(objecti
         old, _ = ts.rollout_statistics(run, batch, adv, plan)
         counts = dict(num_tokens=batch.completion_mask.sum().item(), num_seqs=8.0)
         model.zero_grad(set_to_none=True)
-        loss, _, _, _ = ts.micro_batch_loss(run, batch, old, adv, rows, counts)
+        loss, _, _, _ = ts.micro_batch_loss(run, batch, old.logp, old.entropy, old.ref_logp, adv, rows, counts)
         loss.backward()
         losses.append(loss.detach())
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
