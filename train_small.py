@@ -352,7 +352,7 @@ def minibatch_plan(keep: torch.Tensor, args: Args) -> list[list[torch.Tensor]]:
         groups = kept_groups[torch.randperm(len(kept_groups))]
         for chunk in groups.tensor_split(min(args.mini_batches, len(groups))):
             rows = (chunk.unsqueeze(1) * G + torch.arange(G)).reshape(-1)           # [b] whole groups
-            plan.append(list(rows.split(args.micro_batch_size or len(rows))))
+            plan.append(list(rows.split(rows_per_forward(args))))      # micro-batches of at most that many
     return plan
 
 

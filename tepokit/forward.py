@@ -11,7 +11,8 @@ import torch
 import tepo
 
 def rows_per_forward(args) -> int:
-    """Rows in one forward pass: --micro-batch-size, or a whole (nominal) mini-batch when it is 0."""
+    """Rows in one forward pass at most: --micro-batch-size, or a whole mini-batch when it is 0 (its nominal size,
+    ceil(P / M) groups, which no mini-batch exceeds: fewer groups when DAPO's filter dropped some)."""
     return args.micro_batch_size or math.ceil(args.prompts_per_step / args.mini_batches) * args.group_size
 
 
