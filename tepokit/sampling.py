@@ -12,6 +12,10 @@ Two ways, the same distribution (plain softmax(z / T), no top-k, no top-p):
   - sample_generate: transformers' `generate`, for every other model. It gives log-probs and entropies
     only from the logits of every step ([B, T, V]), so by default its old log-probs are recomputed
     (recompute_old_logprobs).
+  - --cuda-graphs (tepokit/cuda_graph.py; on a GPU by default): both over a static KV cache, whose decode
+    step a GPU replays as a CUDA graph: sample_gpt2(static=True), and for Qwen2 and Llama models
+    sample_static_cache (transformers' StaticCache under this module's loop, sampling_loop) in generate's place.
+    The same tokens for the same seed (tepokit/tests/test_sampling_static.py).
 
 Why the log-probs matter: they are the behaviour policy's, computed from the very logits that chose
 each token, so the RL step needs no extra forward pass for its old log-probs (train_small.py,

@@ -163,7 +163,7 @@ def test_the_switch_and_its_one_line_fallbacks():
         through_generate = seeded(sample, model, enc.input_ids, enc.attention_mask, 4, generate_args,
                                   torch.device("cpu"))
     assert stderr.getvalue().count("\n") == 1 and "runs through generate" in stderr.getvalue()
-    assert torch.equal(through_generate["completion_ids"], off["completion_ids"])   # generate = the loop (test_sampling)
+    assert torch.equal(through_generate["completion_ids"], off["completion_ids"])     # test_sampling: the same
 
 
 def test_the_static_decoder_feeds_its_own_inputs():
