@@ -133,6 +133,7 @@ class Args:
     temperature: float = 1.0            # sampling temperature (log-probs are computed at the same one)
     max_new_tokens: int = 24            # completion length limit (tokens)
     sampler: str = "loop"               # loop: a KV-cache sampling loop for GPT-2-shaped models (generate for others)
+    cuda_graphs: str = "auto"           # static KV cache, decode step as a CUDA graph: on, off, auto (on with CUDA)
     max_prompt_tokens: int = 256        # prompts longer than this are cut from the left
     reward: str = "strict"              # which parsing of the answer gives reward 1
     overlong_cache: int = 6             # DAPO soft overlong punishment: length of the penalty ramp
@@ -226,10 +227,9 @@ def generate_group(model, tokenizer, questions: list[str], group_size: int, args
     ends_with_eos = torch.isin(completion_ids[:, -1], torch.tensor(eos_ids, device=device))
     return Rollout(prompt_ids=enc.input_ids.repeat_interleave(group_size, 0).to(device),
                    prompt_mask=enc.attention_mask.repeat_interleave(group_size, 0).to(device),
-                   completion_ids=completion_ids, completion_mask=mask,
+                   completion_ids=completion_ids, completion_mask=mask, sampling_logits=out.get("logits"),
                    truncated=(mask.sum(1) == completion_ids.shape[1]) & ~ends_with_eos,
-                   sampling_logp=out.get("logp"), sampling_entropy=out.get("entropy"),
-                   sampling_logits=out.get("logits"))
+                   sampling_logp=out.get("logp"), sampling_entropy=out.get("entropy"))
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:

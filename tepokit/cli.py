@@ -24,7 +24,7 @@ from tepokit.validation import VALID, check_values, converter, field_kinds, flag
 # Fields of Args that only say how to run, not what is computed: they are not compared on resume.
 RUN_ONLY_FIELDS = ("resume", "stop_after", "compare", "seeds", "baseline", "bench", "bench_steps", "bench_repeats",
                    "bench_shape", "out", "threads",
-                   "cache_dir", "dry_run", "force", "overwrite", "report_to", "check_memory_on_device")
+                   "cache_dir", "dry_run", "force", "overwrite", "report_to", "check_memory_on_device", "cuda_graphs")
 # Of those, what a resumed run takes from its config.json unless the flag is given again: where its warm-up
 # model is cached (else a resumed run would warm up again into the default --cache-dir).
 KEPT_ON_RESUME = ("cache_dir",)

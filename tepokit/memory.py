@@ -20,7 +20,8 @@ from tepokit.forward import LOGITS_CHUNK_BYTES, rows_per_forward
 from tepokit.hub import cannot_load, use_offline_hub_if_unreachable
 from tepokit.model import builtin_tokenizer, pick_device, tiny_model_config
 from tepokit.rundir import read_log, write_json
-from tepokit.sampling import recompute_old_logprobs, sampler_logprobs_wanted, uses_loop
+from tepokit.cuda_graph import static_generation
+from tepokit.sampling import STATIC_CACHE_MODEL_TYPES, recompute_old_logprobs, sampler_logprobs_wanted, uses_loop
 from tepokit.task import format_prompt, load_task
 
 
@@ -107,10 +108,11 @@ def model_shape(config) -> dict:
             "supports_gradient_checkpointing": meta_model.supports_gradient_checkpointing}
 
 
-def memory_plan(args, config, needs_ref: bool) -> dict:
+def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict:
     """Estimated bytes of the model's state (parts) and of each phase (PHASES) of an RL step, and the peak:
     the model's state plus the phase that adds the most. A phase is as large as its largest moment; phases
-    gives, per phase, that moment's name and its parts (bytes), totals their sums."""
+    gives, per phase, that moment's name and its parts (bytes), totals their sums. device_type: the run's
+    (--cuda-graphs auto generates over a static KV cache on CUDA)."""
     m = model_shape(config)
     N, H, L, V, kv, inner = m["n_params"], m["H"], m["L"], m["V"], m["kv"], m["I"]
     a = 2 if args.precision == "bf16" else 4             # bytes of a linear layer's output (bf16 under autocast)
@@ -121,6 +123,8 @@ def memory_plan(args, config, needs_ref: bool) -> dict:
     S = P + T                                             # longest sequence
     ckpt = args.gradient_checkpointing
     loop = uses_loop(args, config)
+    static = static_generation(args, device_type)          # the KV cache preallocated (tepokit/cuda_graph.py)
+    static_cache = static and not loop and config.model_type in STATIC_CACHE_MODEL_TYPES
     recompute = recompute_old_logprobs(args, config)
     rows_checked = checked_rows(args) if args.entropy_check_every <= args.steps else 0
     n_checked = min(rows_checked * T, ENTROPY_CHECK_MAX_POSITIONS)        # positions the entropy check keeps
@@ -149,6 +153,12 @@ def memory_plan(args, config, needs_ref: bool) -> dict:
                                   "completions' keys and values": 2 * L * rows * T * H * 4,
                                   "sampling step (float32 [B, V])": rows * V * (a + 7 * 4)})]
         cache = {"KV cache": L * rows * S * kv * k}
+        if static_cache:  # sample_static_cache: the whole cache from the prefill on; the attention reads all of it
+            sampling_step = {"sampling step (float32 [B, V])": rows * V * (a + 7 * 4)}
+            return [("prefill", {**cache, **copies, "prefill: one layer, its mask [B, 1, P, S]":
+                                 rows * P * (mlp + 3 * H * 4 + P + S) + rows * V * a}),
+                    ("decoding", {**cache, **copies, **kept_logits, **sampling_step,
+                                  "repeated keys and values (and their bf16 copies)": 8 * rows * S * H})]
         moments = [("prefill", {"KV cache": L * rows * P * kv * k, **copies,
                                 "prefill: one layer": rows * P * (mlp + 3 * H * 4 + P) + rows * V * a}),
                    # a layer's cache grows by a copy; its keys and values repeated for the attention (GQA)
@@ -243,7 +253,7 @@ def memory_plan(args, config, needs_ref: bool) -> dict:
     eval_rows = min(args.n_test, R)
     pass_k_prompts = min(args.pass_k_problems, args.n_test, max(1, R // args.pass_k))
     moments = {"generation": rollout(args.prompts_per_step, args.group_size,
-                                     stacked=not loop and sampler_logprobs_wanted(args, config),
+                                     stacked=not loop and not static_cache and sampler_logprobs_wanted(args, config),
                                      kept=not recompute and rows_checked > 0),
                "evaluation": rollout(eval_rows, 1, False, False) + rollout(pass_k_prompts, args.pass_k, False, False),
                "old log-probs": old_logprobs(), "update": update(), "entropy check": entropy_check()}
@@ -293,7 +303,7 @@ def print_memory_plan(plan: dict, capacity: int, device, in_full: bool) -> None:
 
 def check_memory(args, task, device, needs_ref: bool, in_full: bool = False) -> dict:
     """Print the plan (part by part if in_full); refuse, in one line, a run that would not fit (unless --force)."""
-    plan = memory_plan(args, model_config_for_plan(args, task), needs_ref)
+    plan = memory_plan(args, model_config_for_plan(args, task), needs_ref, device.type)
     if args.gradient_checkpointing and not plan["supports_gradient_checkpointing"]:
         fail(f"argument --gradient-checkpointing: model {args.model!r} does not support gradient checkpointing; "
              f"run without --gradient-checkpointing")

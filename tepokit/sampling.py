@@ -12,6 +12,10 @@ Two ways, the same distribution (plain softmax(z / T), no top-k, no top-p):
   - sample_generate: transformers' `generate`, for every other model. It gives log-probs and entropies
     only from the logits of every step ([B, T, V]), so by default its old log-probs are recomputed
     (recompute_old_logprobs).
+  - --cuda-graphs (tepokit/cuda_graph.py; on a GPU by default): both over a static KV cache, whose decode
+    step a GPU replays as a CUDA graph: sample_gpt2(static=True), and for Qwen2 and Llama models
+    sample_static_cache (transformers' StaticCache under this module's loop, sampling_loop) in generate's place.
+    The same tokens for the same seed (tepokit/tests/test_sampling_static.py).
 
 Why the log-probs matter: they are the behaviour policy's, computed from the very logits that chose
 each token, so the RL step needs no extra forward pass for its old log-probs (train_small.py,
@@ -20,9 +24,12 @@ rollout_statistics; --recompute-old-logprobs brings the pass back).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 
+from tepokit.cuda_graph import static_decoder, static_generation, warn_once
 from tepokit.forward import autocast
 from tepokit.model import eos_ids_of
 
@@ -82,7 +89,8 @@ def sample_step(logits: torch.Tensor, temperature: float, greedy: bool) -> tuple
 
 @torch.no_grad()
 def sample_gpt2(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens: int, temperature: float,
-                eos_ids: list[int], pad_id: int, greedy: bool = False, keep_logits_rows: int = 0) -> dict:
+                eos_ids: list[int], pad_id: int, greedy: bool = False, keep_logits_rows: int = 0,
+                static: bool = False, capture: bool = False) -> dict:
     """G completions for each of U left-padded prompts (prompt_ids, prompt_mask [U, P]); rows
     u*G .. u*G+G-1 are prompt u's group. Returns completion_ids [B, T] (B = U*G; after its end
     token a row holds pad_id, as generate pads it), logp and entropy [B, T] at temperature T (0
@@ -101,6 +109,11 @@ def sample_gpt2(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens:
     Prompt padding is masked with -inf in a float mask made once; a row's completion positions up to
     the current one are all valid (a row that has ended keeps sampling, its tokens replaced by pad_id,
     as generate does), so they need no mask.
+
+    static (--cuda-graphs, tepokit/cuda_graph.py): every step attends over all T positions of the buffer
+    (zeroed, so that no position holds a NaN), the ones after the current one masked with -inf, so that the
+    step's shapes never change and it can be captured as a CUDA graph (capture: on a GPU). The same
+    softmax weights: the masked positions weigh exactly 0.
     """
     tr, cfg, G = model.transformer, model.config, group_size
     L, H, d = cfg.n_layer, cfg.n_head, cfg.n_embd
@@ -132,28 +145,47 @@ def sample_gpt2(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens:
     prompt_bias = prompt_bias.view(U * H, G, P)
     # The completions' keys (own[layer, 0]) and values (own[layer, 1]): row u*G+g's at [:, u, :, g], written
     # with one copy per layer and token; every position read is written first (no zeroing).
-    own = torch.empty(L, 2, U, H, G, max_new_tokens, dh, dtype=dtype, device=device)   # [L, 2, U, H, G, T, d/H]
+    own = (torch.zeros if static else torch.empty)(L, 2, U, H, G, max_new_tokens, dh, dtype=dtype, device=device)
     q = torch.empty(U * H, G, dh, dtype=dtype, device=device)                      # a group's queries, scaled
+    next_position = position[:, -1].repeat_interleave(G) + 1                      # [B]
+    completion_positions = torch.arange(max_new_tokens, device=device)            # [T]
 
-    def decode(x, t: int):
-        """The transformer on one new token per row, x [B, d], at completion position t; its logits [B, V]."""
+    def decode(token, t):
+        """The transformer on one new token per row, token [B], at completion position t (an int; static: a
+        tensor [] on the device); its logits [B, V]."""
+        x = tr.wte(token) + tr.wpe(next_position + t)                             # [B, d]
+        n = max_new_tokens if static else t + 1                                   # completion positions read
         for layer, block in enumerate(tr.h):
             qkv = block.attn.c_attn(block.ln_1(x)).view(U, G, 3, H, dh).permute(2, 0, 3, 1, 4)   # [3, U, H, G, d/H]
-            own[layer, :, :, :, :, t] = qkv[1:]
+            if static:
+                own[layer].index_copy_(4, t.view(1), qkv[1:].unsqueeze(4).to(dtype))   # at t, an index on the device
+            else:
+                own[layer, :, :, :, :, t] = qkv[1:]
             torch.mul(qkv[0], scale, out=q.view(U, H, G, dh))                      # [U*H, G, d/H] q / sqrt(d/H)
-            k_own, v_own = own[layer, :, :, :, :, :t + 1].reshape(2, U * H * G, t + 1, dh)   # views: no copy
+            k_own, v_own = own[layer, :, :, :, :, :n].reshape(2, U * H * G, n, dh)  # views: no copy
             # scores: the group's queries against its prompt once, each row's query against its own completion
             s_prompt = torch.baddbmm(prompt_bias, q, prompt_keys[layer].transpose(1, 2))       # [U*H, G, P]
-            s_own = torch.bmm(q.view(U * H * G, 1, dh), k_own.transpose(1, 2))               # [U*H*G, 1, t+1]
-            w = torch.softmax(torch.cat([s_prompt, s_own.view(U * H, G, t + 1)], -1), -1)   # [U*H, G, P+t+1]
-            a = torch.bmm(w[:, :, P:].reshape(U * H * G, 1, t + 1), v_own).view(U * H, G, dh)
+            s_own = torch.bmm(q.view(U * H * G, 1, dh), k_own.transpose(1, 2))               # [U*H*G, 1, n]
+            if static:                                                             # not yet written: weight 0
+                s_own.masked_fill_(completion_positions > t, float("-inf"))
+            w = torch.softmax(torch.cat([s_prompt, s_own.view(U * H, G, n)], -1), -1)   # [U*H, G, P+n]
+            a = torch.bmm(w[:, :, P:].reshape(U * H * G, 1, n), v_own).view(U * H, G, dh)
             a = torch.baddbmm(a, w[:, :, :P], prompt_values[layer])               # [U*H, G, d/H] both sums
             x = x + block.attn.c_proj(a.view(U, H, G, dh).permute(0, 2, 1, 3).reshape(B, d))
             x = x + block.mlp(block.ln_2(x))
         return model.lm_head(tr.ln_f(x))                                          # [B, V]
 
-    next_position = position[:, -1].repeat_interleave(G) + 1                      # [B]
-    V = logits.shape[-1]
+    decode_next = static_decoder(decode, B, device, capture) if static else decode
+    return sampling_loop(logits, decode_next, max_new_tokens, temperature, eos_ids, pad_id, greedy, keep_logits_rows)
+
+
+def sampling_loop(logits, decode_next, max_new_tokens: int, temperature: float, eos_ids: list[int], pad_id: int,
+                  greedy: bool, keep_logits_rows: int) -> dict:
+    """The samplers' loop from the first new token's logits [B, V]: sample a token per row (sample_step), keep
+    it with its log-prob and entropy, and get the next logits from decode_next(token [B], t) -> [B, V], until
+    every row has ended or T = max_new_tokens. The result as sample_gpt2's."""
+    B, V = logits.shape
+    device = logits.device
     is_eos = torch.zeros(V, dtype=torch.bool, device=device)                      # [V] a lookup table, not isin
     is_eos[torch.tensor([e for e in eos_ids if 0 <= e < V], dtype=torch.long, device=device)] = True  # >= V: not drawn
     ended = torch.zeros(B, dtype=torch.bool, device=device)
@@ -171,7 +203,7 @@ def sample_gpt2(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens:
         ended |= is_eos[token]
         if ended.all() or t == max_new_tokens - 1:
             break
-        logits = decode(tr.wte(tokens[:, t]) + tr.wpe(next_position + t), t)
+        logits = decode_next(tokens[:, t], t)
     n = t + 1
     out = dict(completion_ids=tokens[:, :n].contiguous(), logp=logps[:, :n].contiguous(),
                entropy=entropies[:, :n].contiguous())
@@ -203,14 +235,85 @@ def sample_generate(model, prompt_ids, prompt_mask, group_size: int, max_new_tok
     return result
 
 
+# The models sample_static_cache was tested on (tepokit/tests/test_sampling_static.py): they take position_ids and
+# a prepared 4D mask, and their caches are transformers' StaticCache.
+STATIC_CACHE_MODEL_TYPES = ("qwen2", "llama")
+
+
+def static_cache_problem(model) -> str | None:
+    """Why sample_static_cache cannot sample from this model (None: it can)."""
+    cfg = model.config
+    if cfg.model_type not in STATIC_CACHE_MODEL_TYPES:
+        return f"model type {cfg.model_type!r} (tested: {', '.join(STATIC_CACHE_MODEL_TYPES)})"
+    if set(getattr(cfg, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
+        return "sliding-window attention layers"
+    if cfg._attn_implementation not in ("sdpa", "eager"):
+        return f"attention implementation {cfg._attn_implementation!r} (sdpa or eager only)"
+    return None
+
+
+@torch.no_grad()
+def sample_static_cache(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens: int, temperature: float,
+                        eos_ids: list[int], pad_id: int, greedy: bool = False, keep_logits_rows: int = 0,
+                        capture: bool = False) -> dict:
+    """sample_generate's completions, log-probs and entropies from sampling_loop over transformers' StaticCache
+    (--cuda-graphs, tepokit/cuda_graph.py): keys and values [B, kv heads, P+T, d] allocated once, written in
+    place; each decode step reads them all under a mask [B, 1, 1, P+T] of the prompt's tokens and the
+    completion so far, so its shapes never change and it can be captured as a CUDA graph (capture: on a GPU).
+    Positions as generate makes them (cumsum of the mask - 1); the same tokens under the same random stream.
+    The log-probs come from the logits that chose each token, as the loop's: no stacked logits [B, T, V]."""
+    from transformers import StaticCache
+    ids, mask = prompt_ids.repeat_interleave(group_size, 0), prompt_mask.repeat_interleave(group_size, 0)   # [B, P]
+    (B, P), device, S = ids.shape, ids.device, ids.shape[1] + max_new_tokens
+    cache = StaticCache(config=model.config, max_cache_len=S)
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"   # 5.24 / 5.23
+    key = torch.arange(S, device=device)                                          # [S] cache positions
+    prompt_keys = F.pad(mask.bool(), (0, max_new_tokens))                          # [B, S] the prompt's tokens
+    completion_keys = key >= P                                                    # [S]
+    position = mask.long().cumsum(1) - 1                                          # [B, P]
+    position.masked_fill_(mask == 0, 1)                                           # as generate
+
+    def forward(input_ids, attend, position_ids):
+        """The model over the cache; attend [B, 1, q, S] (True: seen) as the attention implementation takes it."""
+        if model.config._attn_implementation != "sdpa":    # eager: added to the scores
+            dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
+            attend = torch.zeros(attend.shape, dtype=dtype, device=device).masked_fill_(~attend, torch.finfo(dtype).min)
+        return model(input_ids=input_ids, attention_mask=attend, position_ids=position_ids, use_cache=True,
+                     logits_to_keep=1, **{cache_arg: cache}).logits[:, -1]                 # [B, V]
+
+    # the prompt: causal over its own tokens; a padding query sees itself (no empty softmax, no NaN in the cache)
+    query = torch.arange(P, device=device)[:, None]                               # [P, 1]
+    attend = (prompt_keys[:, None, None, :] & (key <= query)) | (key == query)   # [B, 1, P, S]
+    logits = forward(ids, attend, position)
+    del attend
+    next_position = position[:, -1] + 1                                           # [B]
+
+    def decode(token, t):
+        attend = prompt_keys | (completion_keys & (key <= P + t))                 # [B, S]
+        return forward(token[:, None], attend[:, None, None, :], (next_position + t)[:, None])
+
+    def reset():      # the capture's warm-up steps advanced each layer's write position past the prompt
+        for layer in cache.layers:
+            layer.cumulative_length.fill_(P)
+
+    return sampling_loop(logits, static_decoder(decode, B, device, capture, reset), max_new_tokens, temperature,
+                         eos_ids, pad_id, greedy, keep_logits_rows)
+
+
 def sample(model, prompt_ids, prompt_mask, group_size: int, args, device, greedy: bool = False,
            keep_logits_rows: int = 0, want_logprobs: bool = False) -> dict:
-    """The rollout's completions (sample_gpt2 when the model is GPT-2-shaped, else sample_generate),
-    under the run's precision. The result's tensors are those of sample_gpt2."""
+    """The rollout's completions (sample_gpt2 when the model is GPT-2-shaped, else sample_generate, or with
+    --cuda-graphs their static-cache forms), under the run's precision. The result's tensors are sample_gpt2's."""
     settings = dict(group_size=group_size, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                     eos_ids=eos_ids_of(model), pad_id=model.generation_config.pad_token_id, greedy=greedy,
                     keep_logits_rows=keep_logits_rows)
+    static = static_generation(args, device.type)
     with autocast(device, args.precision):
         if uses_loop(args, model.config):
-            return sample_gpt2(model, prompt_ids, prompt_mask, **settings)
+            return sample_gpt2(model, prompt_ids, prompt_mask, static=static, capture=static, **settings)
+        problem = static_cache_problem(model) if static else None
+        if static and problem is None:
+            return sample_static_cache(model, prompt_ids, prompt_mask, capture=True, **settings)
+        if problem:
+            warn_once(f"--cuda-graphs: no static KV cache for {problem}; generation runs through generate")
         return sample_generate(model, prompt_ids, prompt_mask, want_logprobs=want_logprobs, **settings)

@@ -163,6 +163,7 @@ VALID: dict[str, tuple] = {
     "max_prompt_tokens": at_least(1),
     "reward": one_of(["strict", "lenient"]),
     "sampler": one_of(["loop", "generate"]),
+    "cuda_graphs": one_of(["auto", "on", "off"]),
     "overlong_cache": at_least(1),
     # --- update ---
     "lr": positive(),

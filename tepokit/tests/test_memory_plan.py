@@ -3,10 +3,10 @@
 torch.cuda.max_memory_allocated counts the blocks of CUDA's caching allocator: each new tensor storage rounded
 up to 512 bytes, given back when the storage is freed, a view costing nothing. LiveBytes counts the same on
 the CPU, op by op, so the plan meets on the CPU what it meets on a GPU (resident memory would not: the
-allocator of the C library keeps freed blocks). Six 2-step GRPO runs of micro models with real shapes'
+allocator of the C library keeps freed blocks). Seven 2-step GRPO runs of micro models with real shapes'
 proportions (Qwen2's grouped-query attention, vocabularies of 8,192 to 32,768 tokens), five of them made to
-peak in five different phases; the second step's generation runs with the gradients and Adam's moments of the
-first.
+peak in five different phases, one generating over transformers' static KV cache (--cuda-graphs on); the second
+step's generation runs with the gradients and Adam's moments of the first.
 """
 import contextlib
 import io
@@ -177,6 +177,10 @@ CONFIGS = {
     "gpt2 loop, sampler's logits": ("gpt2", ["--micro-batch-size", "4", "--max-prompt-tokens", "32", "--max-new-tokens",
                                              "16", "--entropy-check-every", "1", "--entropy-check-rows", "16", "--beta",
                                              "0"], "entropy check"),
+    # --cuda-graphs on: transformers' StaticCache holds prompt + new tokens from the prefill on
+    "static KV cache": ("qwen_wide_mlp", ["--micro-batch-size", "2", "--gradient-checkpointing", "--cuda-graphs", "on",
+                                          "--max-prompt-tokens", "128", "--max-new-tokens", "8",
+                                          "--no-check-sampling-logprobs"], "generation"),
     # the entropy check on every step: the logits before and after at 192 positions, and its temporaries
     "entropy check every step": ("qwen", ["--micro-batch-size", "4", "--max-prompt-tokens", "24", "--max-new-tokens",
                                           "12", "--entropy-check-every", "1", "--entropy-check-rows", "16"],
