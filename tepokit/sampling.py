@@ -176,19 +176,30 @@ def sample_gpt2(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens:
         return model.lm_head(tr.ln_f(x))                                          # [B, V]
 
     decode_next = static_decoder(decode, B, device, capture) if static else decode
-    return sampling_loop(logits, decode_next, max_new_tokens, temperature, eos_ids, pad_id, greedy, keep_logits_rows)
+    return sampling_loop(logits, decode_next, max_new_tokens, temperature, eos_ids, pad_id, greedy, keep_logits_rows,
+                         end_check_every(capture, device))
+
+
+def end_check_every(capture: bool, device) -> int:
+    """Every how many tokens the loop asks whether every row has ended. The question waits for the GPU; with the
+    decode step replayed as a CUDA graph that wait is most of a bf16 step (measured in docs/one-gpu.md), so there it
+    is asked every 16 tokens. Elsewhere every token: the same random draws as generate, step for step."""
+    return 16 if capture and device.type == "cuda" else 1
 
 
 def sampling_loop(logits, decode_next, max_new_tokens: int, temperature: float, eos_ids: list[int], pad_id: int,
-                  greedy: bool, keep_logits_rows: int) -> dict:
+                  greedy: bool, keep_logits_rows: int, check_every: int = 1) -> dict:
     """The samplers' loop from the first new token's logits [B, V]: sample a token per row (sample_step), keep
     it with its log-prob and entropy, and get the next logits from decode_next(token [B], t) -> [B, V], until
-    every row has ended or T = max_new_tokens. The result as sample_gpt2's."""
+    every row has ended or T = max_new_tokens. The result as sample_gpt2's. check_every > 1: whether every row
+    has ended is read every check_every tokens; the steps drawn after that are cut off (the same result, but
+    the random stream has moved further)."""
     B, V = logits.shape
     device = logits.device
     is_eos = torch.zeros(V, dtype=torch.bool, device=device)                      # [V] a lookup table, not isin
     is_eos[torch.tensor([e for e in eos_ids if 0 <= e < V], dtype=torch.long, device=device)] = True  # >= V: not drawn
     ended = torch.zeros(B, dtype=torch.bool, device=device)
+    all_ended = torch.zeros(max_new_tokens, dtype=torch.bool, device=device)     # [T] every row had ended at t
     tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)   # [B, T] written in place
     logps = torch.zeros(B, max_new_tokens, dtype=torch.promote_types(logits.dtype, torch.float32), device=device)
     entropies = torch.zeros_like(logps)
@@ -201,10 +212,11 @@ def sampling_loop(logits, decode_next, max_new_tokens: int, temperature: float, 
         tokens[:, t] = torch.where(ended, pad_id, token)
         logps[:, t], entropies[:, t] = logp.masked_fill(ended, 0.0), entropy.masked_fill(ended, 0.0)
         ended |= is_eos[token]
-        if ended.all() or t == max_new_tokens - 1:
+        all_ended[t] = ended.all()
+        if t == max_new_tokens - 1 or ((t + 1) % check_every == 0 and all_ended[t]):
             break
         logits = decode_next(tokens[:, t], t)
-    n = t + 1
+    n = int(all_ended.int().argmax()) + 1 if all_ended.any() else t + 1     # the first step after which all ended
     out = dict(completion_ids=tokens[:, :n].contiguous(), logp=logps[:, :n].contiguous(),
                entropy=entropies[:, :n].contiguous())
     if keep_logits_rows:
@@ -297,7 +309,7 @@ def sample_static_cache(model, prompt_ids, prompt_mask, group_size: int, max_new
             layer.cumulative_length.fill_(P)
 
     return sampling_loop(logits, static_decoder(decode, B, device, capture, reset), max_new_tokens, temperature,
-                         eos_ids, pad_id, greedy, keep_logits_rows)
+                         eos_ids, pad_id, greedy, keep_logits_rows, end_check_every(capture, device))
 
 
 def sample(model, prompt_ids, prompt_mask, group_size: int, args, device, greedy: bool = False,

@@ -11,7 +11,7 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, Qwen2Config
 
 import train_small as ts
-from tepokit import cuda_graph
+from tepokit import cuda_graph, sampling
 from tepokit.cuda_graph import static_decoder, static_generation
 from tepokit.sampling import sample, sample_generate, sample_gpt2, sample_static_cache, static_cache_problem
 from tepokit.tests.test_sampling import tiny
@@ -82,6 +82,32 @@ def test_the_static_cache_loops_stop_when_every_row_has_ended():
         assert all((ids[row, t + 1:] == tok.pad_token_id).all() for row, t in enumerate(first.tolist())), name
     assert_same_sampling(runs["gpt2 static"], runs["gpt2 today"], eos, 1e-12)
     assert_same_sampling(runs["static cache"], runs["generate"], eos, 1e-5)
+
+
+@pytest.mark.parametrize("check_every", [3, 16])
+def test_asking_whether_every_row_has_ended_only_every_few_tokens_gives_the_same_completions(check_every):
+    """On a GPU the graph-replayed loop asks every 16 tokens (sampling.end_check_every): the loop runs a few steps
+    past the last end, and cuts them off. Same tokens, log-probs, entropies, kept logits and length as asking at
+    every token; only the random stream has moved further (more draws)."""
+    model, tok, enc, _ = tiny()
+    eos = list(range(10))
+    kwargs = settings(tok, eos, max_new_tokens=40, temperature=1.0, keep_logits_rows=3)
+    outs, streams = [], []
+    for every in (1, check_every):
+        loop = sampling.sampling_loop
+        sampling.sampling_loop = lambda *a, **k: loop(*a[:8], check_every=every)
+        try:
+            outs.append(seeded(sample_gpt2, model.double(), enc.input_ids, enc.attention_mask, **kwargs))
+        finally:
+            sampling.sampling_loop = loop
+        streams.append(torch.rand(1).item())
+    assert outs[0]["completion_ids"].shape[1] < 40                                  # every row ended early
+    assert_same_sampling(outs[1], outs[0], eos, 1e-15)
+    assert torch.equal(outs[1]["logits"], outs[0]["logits"])
+    assert streams[0] != streams[1]                                                 # the extra steps drew
+    assert sampling.end_check_every(True, torch.device("cuda")) == 16
+    assert sampling.end_check_every(True, torch.device("cpu")) == 1
+    assert sampling.end_check_every(False, torch.device("cuda")) == 1
 
 
 @pytest.mark.parametrize("kind, attention", [("qwen2", "sdpa"), ("qwen2", "eager"), ("llama", "sdpa")])
