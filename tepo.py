@@ -324,9 +324,8 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
 # ---- log-probs and entropy from logits --------------------------------------------------------------
 
 def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """z / temperature in float32 or finer: the logits the tokens were sampled from.    [..., V]"""
-    z = _at_least_float32(logits)
-    return z / temperature if temperature != 1.0 else z
+    """z / temperature in float32 or finer, a new tensor: the logits the tokens were sampled from.   [..., V]"""
+    return _at_least_float32(logits) / temperature
 
 
 def token_logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor,
@@ -337,7 +336,7 @@ def token_logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor,
     probability under softmax(z / 0.7), and a ratio against untempered log-probs is wrong
     (test_tepo.py, property 42). logsumexp avoids materialising a second [B, T, V] log-softmax tensor.
     """
-    z = _tempered(logits, temperature)
+    z = _tempered(logits, temperature) if temperature != 1.0 else _at_least_float32(logits)   # T = 1: no copy
     chosen = z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return chosen - torch.logsumexp(z, dim=-1)
 
