@@ -4,21 +4,28 @@ Read it top to bottom, like a chapter:
 
   1. Building blocks   masked means, group-relative advantages, importance ratios (token, sequence,
                        K-token block), loss aggregation, KL estimators, log-probs and entropy from
-                       logits, the per-token covariance, DAPO's two data-side pieces.
-  2. Configuration     one dataclass with every switch, the paper defaults of each objective, and
-                       which switches each objective reads (FIELDS_READ).
-  3. Objectives        one function per objective, in historical order, all with the same signature
-                           fn(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None,
-                              old_entropy=None, num_tokens=None, num_seqs=None) -> (loss, metrics)
-                       PPO-clip, GRPO, DAPO, Dr. GRPO, Clip-Cov, KL-Cov, GSPO, GSPO-token, TEPO, MPO.
-  4. Entropy mathematics  the entropy-covariance derivation (Cui et al. 2505.22617; TEPO's appendix)
-                       step by step, and the live check used by train_small.py.
+                       logits, DAPO's two data-side pieces.
+  2. Configuration     one dataclass with every switch, checked once when it is made; the paper
+                       defaults of each objective, and which switches each objective reads (FIELDS_READ).
+  3. The GRPO family   one skeleton, `objective`, that every objective shares (check the inputs,
+                       aggregate, report), so that each objective below it is only its own maths.
+                       PPO-clip; GRPO, DAPO and Dr. GRPO, three presets of PPO-clip's loss; GSPO,
+                       GSPO-token; MPO.
+  4. Entropy mathematics  why entropy falls: the entropy-covariance derivation (Cui et al.
+                       2505.22617; TEPO's appendix) step by step, and the live check used by train_small.py.
+  5. The remedies      the entropy bonus; Clip-Cov and KL-Cov, built on section 4's covariance; TEPO's
+                       KL mask. OBJECTIVES maps each name to its function.
+  Appendix             the input checks every objective makes, and the metrics every objective reports.
+
+Every objective has the same signature
+    fn(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None, old_entropy=None,
+       num_tokens=None, num_seqs=None) -> (loss, metrics)
 
 Honest labels. PPO-clip, GRPO, DAPO, Dr. GRPO, GSPO, Clip-Cov and KL-Cov follow their papers and the
 verl (0.9.1) / TRL (1.16) implementations. TEPO (arXiv 2510.09369, 2604.12736) and MPO (arXiv
 2602.14386) have no public code and only their abstracts are public: their objectives here are
-RECONSTRUCTIONS, and every ambiguous choice is a switch in ObjectiveConfig (tepo_loss and mpo_loss in
-section 3 say what is public and what is ours; so does the README's "Honest labels").
+RECONSTRUCTIONS, and every ambiguous choice is a switch in ObjectiveConfig (tepo_loss in section 5 and
+mpo_loss in section 3 say what is public and what is ours; so does the README's "Honest labels").
 
 Tensor layout (all objectives):
   B  sequences in the (mini-)batch = prompts x G, groups contiguous (rows g*G .. g*G+G-1 share a prompt)
@@ -47,19 +54,20 @@ __all__ = [
     # 1. building blocks
     "masked_sum", "masked_mean", "ADVANTAGE_SCALES", "group_advantages", "token_log_ratio", "sequence_log_ratio",
     "block_index", "BLOCK_RATIOS", "block_log_ratio", "AGGREGATIONS", "aggregate_loss", "KL_ESTIMATORS",
-    "kl_penalty", "token_logprobs_from_logits", "entropy_from_logits", "entropy_bonus", "token_covariance",
-    "dynamic_sampling_mask",
-    "soft_overlong_punishment",
+    "kl_penalty", "token_logprobs_from_logits", "entropy_from_logprobs", "softmax_entropy", "entropy_from_logits",
+    "dynamic_sampling_mask", "soft_overlong_punishment",
     # 2. configuration
     "ObjectiveConfig", "RATIO_MODES", "ENTROPY_CRITERIA", "KL_TARGETS", "KL_MODES", "BLOCK_AGGREGATIONS",
     "check_config", "InvalidSetting", "PAPER_DEFAULTS", "TRAINER_FIELDS", "FIELDS_READ", "config_for", "needs_ref",
     "needs_entropy",
-    # 3. objectives
-    "clipped_surrogate", "ppo_clip_loss", "grpo_loss", "dapo_loss", "dr_grpo_loss", "clip_cov_loss", "kl_cov_loss",
-    "gspo_loss", "gspo_token_loss", "tepo_kl_mask", "tepo_loss", "mpo_loss", "OBJECTIVES",
+    # 3. the GRPO family
+    "ObjectiveInputs", "PolicyTerms", "objective", "clipped_surrogate", "ppo_clip_loss", "grpo_loss", "dapo_loss",
+    "dr_grpo_loss", "gspo_loss", "gspo_token_loss", "mpo_loss",
     # 4. entropy mathematics
-    "softmax_entropy", "softmax_log_jacobian", "entropy_grad_wrt_logits", "fisher_matrix", "policy_gradient_step",
+    "softmax_log_jacobian", "entropy_grad_wrt_logits", "fisher_matrix", "policy_gradient_step",
     "natural_gradient_step", "first_order_entropy_change", "entropy_change_prediction",
+    # 5. the remedies
+    "entropy_bonus", "token_covariance", "clip_cov_loss", "kl_cov_loss", "tepo_kl_mask", "tepo_loss", "OBJECTIVES",
 ]
 
 
@@ -102,6 +110,12 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     """Mean of x over valid positions; 0 (not NaN) where nothing is valid."""
     count = mask.to(x.dtype).sum() if dim is None else mask.to(x.dtype).sum(dim)
     return masked_sum(x, mask, dim) / count.clamp(min=1)
+
+
+def _per_position(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A row's value at every position of that row: [B] -> like's shape [B, T] (or [B, J] blocks).
+    Values already [B, T] (per-token advantages) stay as they are."""
+    return values.unsqueeze(-1).expand(like.shape) if values.dim() == 1 else values
 
 
 # ---- group-relative advantages (GRPO, arXiv 2402.03300; Dr. GRPO, arXiv 2503.20783) ------------------
@@ -309,6 +323,11 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
 
 # ---- log-probs and entropy from logits --------------------------------------------------------------
 
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """z / temperature in float32 or finer, a new tensor: the logits the tokens were sampled from.   [..., V]"""
+    return _at_least_float32(logits) / temperature
+
+
 def token_logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor,
                                temperature: float = 1.0) -> torch.Tensor:
     """log softmax(logits / temperature) at the sampled tokens.         [B, T, V], [B, T] -> [B, T]
@@ -317,10 +336,23 @@ def token_logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor,
     probability under softmax(z / 0.7), and a ratio against untempered log-probs is wrong
     (test_tepo.py, property 42). logsumexp avoids materialising a second [B, T, V] log-softmax tensor.
     """
-    z = _at_least_float32(logits)
-    z = z / temperature if temperature != 1.0 else z
+    z = _tempered(logits, temperature) if temperature != 1.0 else _at_least_float32(logits)   # T = 1: no copy
     chosen = z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return chosen - torch.logsumexp(z, dim=-1)
+
+
+def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
+    """H = -sum_v p_v log p_v from the log-probabilities of the whole vocabulary, with gradient.   [..., V] -> [...]
+
+    The one place the entropy formula is written: every entropy in this module (and the sampler's,
+    which has the log-softmax at hand) is this function.
+    """
+    return -(logp.exp() * logp).sum(-1)
+
+
+def softmax_entropy(z: torch.Tensor) -> torch.Tensor:
+    """H(softmax(z)), with gradient.                                               [..., V] -> [...]"""
+    return entropy_from_logprobs(torch.log_softmax(z, dim=-1))
 
 
 @torch.no_grad()
@@ -336,50 +368,8 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0,
     out = torch.empty(flat.shape[0], dtype=torch.promote_types(logits.dtype, torch.float32),
                       device=logits.device)
     for start in range(0, flat.shape[0], chunk_size):
-        z = _at_least_float32(flat[start:start + chunk_size]) / temperature
-        logp = torch.log_softmax(z, dim=-1)
-        out[start:start + chunk_size] = -(logp.exp() * logp).sum(-1)
+        out[start:start + chunk_size] = softmax_entropy(_tempered(flat[start:start + chunk_size], temperature))
     return out.view(logits.shape[:-1])
-
-
-def entropy_bonus(logits: torch.Tensor, mask: torch.Tensor, cfg: "ObjectiveConfig", temperature: float = 1.0, *,
-                  num_tokens=None, num_seqs=None) -> torch.Tensor:
-    """The entropy bonus, a loss term: -entropy_coef * aggregate(H), H the full-vocabulary entropy at each
-    token, WITH its gradient.                                                 [B, T, V], [B, T] -> scalar
-
-    A classic remedy against entropy collapse (Williams and Peng 1991; PPO's c2 S[pi] term, arXiv
-    1707.06347 eq. 9). Added by the trainer to any objective's loss, as verl's actor adds its
-    entropy_coeff outside the policy losses, and aggregated like that objective's loss (cfg.aggregation,
-    num_tokens / num_seqs as in aggregate_loss). Its gradient on the logits z of a position is
-    -entropy_coef * w * dH/dz with dH/dz_v = -p_v (log p_v + H) (entropy_grad_wrt_logits, section 4),
-    w the aggregation weight.
-    Flag: --entropy-coef. Zero (no gradient, no cost) when entropy_coef = 0.
-    """
-    if cfg.entropy_coef == 0:
-        return torch.zeros((), dtype=_at_least_float32(logits).dtype, device=logits.device)
-    z = _at_least_float32(logits) / temperature
-    logp = torch.log_softmax(z, dim=-1)
-    entropy = -(logp.exp() * logp).sum(-1)                                     # [B, T], with gradient
-    return -cfg.entropy_coef * aggregate_loss(entropy, mask, cfg.aggregation, num_tokens=num_tokens,
-                                              num_seqs=num_seqs, norm_constant=cfg.norm_constant)
-
-
-# ---- the per-token covariance (Cui et al., arXiv 2505.22617: Clip-Cov and KL-Cov) ------------------
-
-@torch.no_grad()
-def token_covariance(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Cov_{i,t} = (log pi_{i,t} - mean log pi) * (A_{i,t} - mean A), means over valid tokens.  [B, T]
-
-    Each token's contribution to Cov(log pi, A), the quantity that drives entropy down (section 4).
-    High values mark confident tokens with positive advantage (or rare ones with negative
-    advantage): the tokens that collapse entropy. Used by Clip-Cov, KL-Cov and TEPO's mask.
-    0 at padding.
-    """
-    logp = logp.detach()
-    adv = advantages.detach().to(logp.dtype)
-    adv = adv.unsqueeze(-1).expand_as(logp) if adv.dim() == 1 else adv
-    cov = (logp - masked_mean(logp, mask)) * (adv - masked_mean(adv, mask))
-    return torch.where(mask.bool(), cov, torch.zeros_like(cov))
 
 
 # ---- DAPO's data-side pieces (arXiv 2503.14476) -----------------------------------------------------
@@ -419,9 +409,12 @@ def soft_overlong_punishment(lengths: torch.Tensor, max_len: int, cache_len: int
 # 2. Configuration: every switch of every objective, and each paper's defaults
 # =====================================================================================================
 
-@dataclass
+@dataclass(frozen=True)
 class ObjectiveConfig:
-    """Every switch of every objective. An objective reads only the fields it documents."""
+    """Every switch of every objective. An objective reads only the fields it documents.
+
+    Checked once, when it is made (check_config; also by dataclasses.replace and config_for, which make
+    a new one), and frozen: it cannot change after, so an objective trusts it on every call."""
     # clipping (PPO family, GSPO, TEPO, MPO, Clip-Cov)
     eps_low: float = 0.2             # ratio clipped below at 1 - eps_low
     eps_high: float = 0.2            # ratio clipped above at 1 + eps_high (DAPO's clip-higher: 0.28)
@@ -439,13 +432,13 @@ class ObjectiveConfig:
     dynamic_sampling: bool = False   # DAPO: drop groups whose rewards are all equal
     overlong_penalty: bool = False   # DAPO: add soft_overlong_punishment to the reward
     entropy_coef: float = 0.0        # entropy bonus: the trainer subtracts coef x the mean entropy from any loss
-    # TEPO (our reconstruction; see tepo_loss and tepo_kl_mask, section 3.7)
+    # TEPO (our reconstruction; see tepo_loss and tepo_kl_mask, section 5.3)
     ratio_mode: str = "gspo_token"   # gspo_token (sequence ratio carried to tokens) | gmpo (log-space clip)
     entropy_criterion: str = "cov"   # "decreasing entropy" = cov (Cov_{i,t} > 0) | measured (H < H_old)
     kl_target: str = "old"           # masked KL against the rollout policy (old) or the reference (ref)
     kl_mode: str = "soft"            # soft: + beta * M * D | hard: drop masked tokens with D > kl_tau
     kl_tau: float = 0.0              # threshold of the hard mask
-    # MPO (our reconstruction; see mpo_loss, section 3.8)
+    # MPO (our reconstruction; see mpo_loss, section 3.4)
     block_size: int = 4              # K tokens per action block
     block_ratio: str = "joint"       # joint (product of K ratios) | geomean (their geometric mean)
     block_agg: str = "seq-mean-block-mean"  # seq-mean-block-mean | block-mean | token-weighted
@@ -467,7 +460,7 @@ BLOCK_AGGREGATIONS = ("seq-mean-block-mean", "block-mean", "token-weighted")
 
 
 def check_config(cfg: ObjectiveConfig) -> None:
-    """Raise a one-line ValueError for any invalid switch (called on creation and by every loss)."""
+    """Raise a one-line ValueError for any invalid switch (called when an ObjectiveConfig is made)."""
     _check_choice("aggregation", cfg.aggregation, AGGREGATIONS)
     _check_choice("kl_estimator", cfg.kl_estimator, KL_ESTIMATORS)
     _check_choice("advantage_scale", cfg.advantage_scale, ADVANTAGE_SCALES)
@@ -590,13 +583,642 @@ def needs_entropy(name: str, cfg: ObjectiveConfig) -> bool:
 
 
 # =====================================================================================================
-# 3. Objectives
+# 3. The GRPO family: one skeleton, then each objective's own maths
 # =====================================================================================================
-# Shared pieces first: input checks, the clipped surrogate, the KL-to-reference term, and the
-# metrics every objective reports. Then one function per objective, in historical order.
+# Every objective does four things: check its inputs, compute its per-token terms (the policy-gradient
+# loss, the ratio it clips and where it clipped, its KL part), aggregate them into one loss, and report
+# metrics. Only the second differs from one objective to another. `objective` does the other three
+# (the checks and the metrics are in the appendix), so each objective below is its maths alone.
 
-def _prepare(logp, old_logp, advantages, mask, cfg, **optional):
-    """Check switches, shapes and values; return float logp/old_logp, bool mask and advantages as [B, T].
+@dataclass
+class ObjectiveInputs:
+    """An objective's inputs after the checks (appendix, _prepare): what its maths reads."""
+    logp: torch.Tensor               # [B, T] log pi_theta, float32 or finer, with its gradient
+    old_logp: torch.Tensor           # [B, T] log pi_old, detached
+    adv: torch.Tensor                # [B, T] advantage of each token (a per-sequence A_i at each token), detached
+    advantages: torch.Tensor         # [B] or [B, T] the advantages as given (per-sequence objectives read these)
+    mask: torch.Tensor               # [B, T] bool, True where a token is trained
+    ref_logp: torch.Tensor | None = None      # [B, T] log pi_ref, if the objective reads it and it is given
+    entropy: torch.Tensor | None = None       # [B, T] entropy now, if read and given (TEPO's measured criterion)
+    old_entropy: torch.Tensor | None = None   # [B, T] entropy at rollout time, if read and given
+
+
+@dataclass
+class PolicyTerms:
+    """What an objective computes from its inputs: `objective` aggregates it and reports it."""
+    loss: torch.Tensor               # [B, T] policy-gradient loss of each token ([B, J] of each block: see units)
+    ratio: torch.Tensor              # [B, T] the importance ratio the objective clips, at each token
+    clipped_low: torch.Tensor        # [B, T] bool: clipped at 1 - eps_low (A < 0)
+    clipped_high: torch.Tensor       # [B, T] bool: clipped at 1 + eps_high (A > 0)
+    kl: torch.Tensor | None = None   # [B, T] KL part of each token, weighed by beta; None: no KL part
+    extra: dict = dataclasses.field(default_factory=dict)   # more metrics: name -> 0-dim tensor
+    aggregation: str | None = None   # how loss and kl are aggregated; None: cfg.aggregation (MPO sets it)
+    units: torch.Tensor | None = None   # [B, J] bool when loss is per block: the non-empty blocks (MPO)
+
+
+def objective(*, reads: tuple[str, ...]):
+    """The one skeleton. Written above an objective's maths,
+
+        @objective(reads=("ref_logp",))
+        def name(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms: ...
+
+    it makes the objective with the signature they all share,
+
+        name(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None, old_entropy=None,
+             num_tokens=None, num_seqs=None) -> (loss, metrics)
+
+    which, on each call:
+      1. checks the inputs and gives them to the maths as ObjectiveInputs (_prepare, appendix). `reads`
+         names the optional tensors the objective reads (of ref_logp, entropy, old_entropy): those are
+         checked and passed on, the others are ignored;
+      2. computes the objective's PolicyTerms;
+      3. aggregates them: loss = pg_loss + beta * kl_loss, pg_loss and kl_loss aggregated alike
+         (cfg.aggregation unless the terms name another) with the step's counts num_tokens / num_seqs
+         (aggregate_loss: the micro-batch losses of one step then add up to the step's loss);
+      4. gathers the metrics (_metrics, appendix): a dict of floats.
+    The objective keeps the name and docstring of its maths, and the maths itself as .policy_terms.
+    """
+    def make(policy_terms):
+        def objective_fn(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None, old_entropy=None,
+                         num_tokens=None, num_seqs=None):
+            given = {"ref_logp": ref_logp, "entropy": entropy, "old_entropy": old_entropy}
+            x = _prepare(logp, old_logp, advantages, mask, cfg, **{name: given[name] for name in reads})
+            terms = policy_terms(x, cfg)
+            mode = terms.aggregation or cfg.aggregation
+
+            def aggregate(loss_mat, valid, n_tokens):
+                return aggregate_loss(loss_mat, valid, mode, num_tokens=n_tokens, num_seqs=num_seqs,
+                                      norm_constant=cfg.norm_constant)
+            # a loss per block is aggregated over the blocks: num_tokens, a count of tokens, does not apply
+            pg_loss = (aggregate(terms.loss, x.mask, num_tokens) if terms.units is None
+                       else aggregate(terms.loss, terms.units, None))
+            kl_loss = (aggregate(terms.kl, x.mask, num_tokens) if terms.kl is not None
+                       else torch.zeros((), dtype=pg_loss.dtype, device=pg_loss.device))
+            loss = pg_loss + cfg.beta * kl_loss
+            return loss, _metrics(loss, pg_loss, kl_loss, terms, x)
+
+        objective_fn.__name__ = objective_fn.__qualname__ = policy_terms.__name__
+        objective_fn.__doc__ = policy_terms.__doc__
+        objective_fn.policy_terms, objective_fn.reads = policy_terms, reads
+        return objective_fn
+    return make
+
+
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float,
+                      dual_clip_c: float | None = None):
+    """PPO's pessimistic clipped loss, elementwise: max(-A r, -A clip(r, 1-eps_low, 1+eps_high)).
+
+    Returns (loss, clipped_low, clipped_high). A token is clipped, and gets zero gradient, when its
+    ratio has left the band in the direction its advantage pushes: r > 1 + eps_high with A > 0, or
+    r < 1 - eps_low with A < 0. At r = 1 nothing is clipped and the gradient is exactly
+    -A * d log pi (d r = r d log pi, r = 1; no factor 2: test_tepo.py, property 38).
+    Dual-clip: with A < 0 the loss is also capped at -A * c, so an exploded ratio on a
+    negative-advantage token cannot blow the loss up.
+    """
+    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps_low, 1 + eps_high))
+    if dual_clip_c is not None:
+        loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_clip_c), loss)
+    clipped_low = (ratio < 1 - eps_low) & (adv < 0)
+    clipped_high = (ratio > 1 + eps_high) & (adv > 0)
+    return loss, clipped_low, clipped_high
+
+
+def _token_ratio(x: ObjectiveInputs, cfg: ObjectiveConfig) -> torch.Tensor:
+    """r_{i,t} = exp(delta_{i,t}) = pi_theta / pi_old at each token (1 at padding).              [B, T]"""
+    return torch.exp(token_log_ratio(x.logp, x.old_logp, x.mask, cfg.log_ratio_clamp))
+
+
+def _reference_kl(x: ObjectiveInputs, cfg: ObjectiveConfig, name: str) -> torch.Tensor | None:
+    """The GRPO-style KL part: KL(pi_theta || pi_ref) at each token, [B, T]; None when beta = 0."""
+    if cfg.beta == 0:
+        return None
+    if x.ref_logp is None:
+        raise ValueError(f"ref_logp: {name} with beta={cfg.beta} needs reference log-probs; "
+                         f"pass ref_logp or choose beta=0")
+    return kl_penalty(x.logp, x.ref_logp.detach().to(x.logp.dtype), cfg.kl_estimator)
+
+
+# ---- 3.1 PPO-clip (Schulman et al. 2017, arXiv 1707.06347) -------------------------------------------
+
+@objective(reads=("ref_logp",))
+def ppo_clip_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
+    """PPO's clipped surrogate at the token level, as LLM RL uses it.
+
+        l_{i,t} = max(-A_{i,t} r_{i,t}, -A_{i,t} clip(r_{i,t}, 1 - eps_low, 1 + eps_high))
+                  [+ dual clip: min(l, -A c) where A < 0]  + beta * KL_k(pi_theta || pi_ref)_{i,t}
+        r_{i,t} = exp(log pi_theta - log pi_old)
+
+    Paper: Schulman et al., arXiv 1707.06347 (the original uses GAE advantages from a critic; here
+    the advantages are whatever you pass, usually group-relative). verl 0.9.1: policy_loss.loss_mode=
+    "vanilla" (clip_ratio_low/high; it always dual-clips, clip_ratio_c=3 by default).
+    Defaults: PAPER_DEFAULTS["ppo"].
+    Does nothing special when on-policy: every r = 1, no token is clipped, and the gradient is the
+    plain policy gradient -A d log pi (aggregated).
+    """
+    ratio = _token_ratio(x, cfg)                                                        # [B, T]
+    loss, low, high = clipped_surrogate(ratio, x.adv, cfg.eps_low, cfg.eps_high, cfg.dual_clip_c)
+    return PolicyTerms(loss, ratio, low, high, kl=_reference_kl(x, cfg, "ppo"))
+
+
+# ---- 3.2 GRPO, DAPO and Dr. GRPO: three presets of PPO-clip's loss ---------------------------------
+# The three compute PPO-clip's per-token loss, exactly; what makes each one is its settings alone,
+# PAPER_DEFAULTS[name] (advantages, aggregation, clip range, KL), and for DAPO two data-side pieces
+# (section 1). So each is ppo_clip_loss under its own name and docstring (test_tepo.py checks that the
+# four give the same loss, gradient and metrics under the same settings).
+
+def _preset(loss_fn, name: str, doc: str):
+    """The objective `loss_fn` (the same checks, maths, aggregation and metrics) under another name and docstring."""
+    preset_fn = objective(reads=loss_fn.reads)(loss_fn.policy_terms)
+    preset_fn.__name__ = preset_fn.__qualname__ = name
+    preset_fn.__doc__ = doc
+    return preset_fn
+
+
+# GRPO (DeepSeekMath, Shao et al. 2024, arXiv 2402.03300)
+grpo_loss = _preset(ppo_clip_loss, "grpo_loss", """GRPO: PPO-clip with group-relative advantages, a per-sequence
+    mean, and a k3 KL to the reference.
+
+        J = E[ (1/G) sum_i (1/|o_i|) sum_t { min(r A_i, clip(r, 1-eps, 1+eps) A_i) - beta D_KL,i,t } ]
+        A_i = (r_i - mean(r_group)) / std(r_group),  D_KL = pi_ref/pi - log(pi_ref/pi) - 1   (k3)
+
+    GRPO is a choice of advantages (group_advantages, scale="group"), aggregation
+    ("seq-mean-token-mean") and KL (beta=0.04, k3).
+    Paper: arXiv 2402.03300. TRL 1.16: GRPOTrainer(loss_type="grpo", beta=0.04). verl 0.9.1:
+    algorithm.adv_estimator=grpo, loss_agg_mode=seq-mean-token-mean, use_kl_loss=True,
+    kl_loss_type=low_var_kl; verl's `vanilla` loss always dual-clips (c = 3), which tepo's GRPO, DAPO
+    and Dr. GRPO defaults do not (dual_clip_c=3 to match). DeepSeekMath made one update per
+    rollout, so r = 1 and the clip never acted (metrics: on_policy = 1); a group whose rewards are
+    all equal has A = 0 and contributes only its KL gradient.
+    """)
+
+# DAPO (Yu et al. 2025, arXiv 2503.14476)
+dapo_loss = _preset(ppo_clip_loss, "dapo_loss", """DAPO: PPO-clip with clip-higher and a token-level mean over
+    the whole batch.
+
+        J = E[ 1/(sum_i |o_i|) sum_i sum_t min(r_{i,t} A_i, clip(r_{i,t}, 1-eps_low, 1+eps_high) A_i) ]
+        subject to 0 < #correct in the group < G
+
+    Four techniques: clip-higher (eps_low 0.2, eps_high 0.28: low-probability tokens with positive
+    advantage may grow, which slows entropy collapse); token-mean aggregation (every token weighs
+    the same, so long answers are not down-weighted); dynamic sampling (dynamic_sampling_mask,
+    data side); overlong reward shaping (soft_overlong_punishment, data side). No KL (beta = 0).
+    Paper: arXiv 2503.14476. TRL 1.16: loss_type="dapo", epsilon=0.2, epsilon_high=0.28. verl 0.9.1:
+    clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=token-mean, algorithm.filter_groups.
+    On-policy the clip does nothing and DAPO is the token-mean policy gradient.
+    """)
+
+# Dr. GRPO (Liu et al. 2025, arXiv 2503.20783)
+dr_grpo_loss = _preset(ppo_clip_loss, "dr_grpo_loss", """Dr. GRPO ("GRPO done right"): remove GRPO's two
+    normalisations that bias it.
+
+        J = E[ 1/(G L) sum_i sum_t min(r_{i,t} A~_i, clip(r_{i,t}, 1-eps, 1+eps) A~_i) ],
+        A~_i = r_i - mean(r_group)
+
+    1/|o_i| is gone (it under-penalises long wrong answers), replaced by a constant L
+    (norm_constant; the max generation length); 1/std is gone from the advantage
+    (advantage_scale="none"; it up-weights too easy and too hard questions). No KL.
+    Paper: arXiv 2503.20783. TRL 1.16: loss_type="dr_grpo", scale_rewards="none". verl 0.9.1:
+    loss_agg_mode=seq-mean-token-sum-norm (it divides by B * C, as here), norm_adv_by_std_in_grpo=False.
+    """)
+
+
+# ---- 3.3 GSPO and GSPO-token (Zheng et al. 2025, Qwen team, arXiv 2507.18071) ------------------------
+
+@objective(reads=("ref_logp",))
+def gspo_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
+    """GSPO: one importance ratio per sequence, the geometric mean of its token ratios.
+
+        J = E[ (1/G) sum_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i) ]
+        s_i = (pi_theta(o_i|q) / pi_old(o_i|q)) ** (1/|o_i|) = exp(mean_t delta_{i,t})
+
+    The reward is given to a sequence, so the ratio is a sequence's too: a sequence is clipped as
+    a unit (all its tokens get zero gradient), whatever its individual token ratios. Unclipped
+    gradient: (1/G) sum_i s_i A_i (1/|o_i|) sum_t d log pi_{i,t}.
+    Here the sequence loss is spread over the sequence's tokens so that the `aggregation` switch
+    applies: "seq-mean-token-mean" (the paper) gives exactly the mean over sequences; "token-mean"
+    would weigh sequences by length (TRL warns about this).
+    Paper: arXiv 2507.18071, eps (3e-4, 4e-4), 4 mini-batches per rollout, no KL. TRL 1.16:
+    importance_sampling_level="sequence", loss_type="grpo". verl 0.9.1: loss_mode="gspo" (it honours
+    loss_agg_mode, default token-mean, and clamps the log-ratio at 10 from above).
+    On-policy s_i = 1 and GSPO's gradient equals GRPO's (metrics: on_policy = 1).
+    """
+    seq_adv = _sequence_advantages(x, "gspo")                                          # [B]
+    log_s = sequence_log_ratio(x.logp, x.old_logp, x.mask).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+    s = torch.exp(log_s)                                                                  # [B]
+    seq_loss, low, high = clipped_surrogate(s, seq_adv, cfg.eps_low, cfg.eps_high)      # [B] each
+    at_tokens = lambda v: _per_position(v, x.logp)   # noqa: E731  ([B] -> [B, T]: a sequence's value at its tokens)
+    return PolicyTerms(at_tokens(seq_loss), at_tokens(s), at_tokens(low), at_tokens(high),
+                       kl=_reference_kl(x, cfg, "gspo"))
+
+
+def _sequence_ratio_per_token(x: ObjectiveInputs, cfg: ObjectiveConfig) -> torch.Tensor:
+    """GSPO-token's w_{i,t} = sg[s_i] * pi_{i,t} / sg[pi_{i,t}]: value s_i, gradient s_i d log pi_{i,t}.  [B, T]"""
+    log_s = sequence_log_ratio(x.logp, x.old_logp, x.mask).detach()                    # [B]
+    log_w = x.logp - x.logp.detach() + log_s.unsqueeze(-1)                               # [B, T]
+    return torch.exp(log_w.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp))
+
+
+@objective(reads=("ref_logp",))
+def gspo_token_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
+    """GSPO-token: GSPO's sequence ratio carried to every token, so advantages may differ per token.
+
+        w_{i,t} = sg[s_i] * pi_theta(o_{i,t}) / sg[pi_theta(o_{i,t})]     (value s_i, grad s_i d log pi)
+        J = E[ (1/G) sum_i (1/|o_i|) sum_t min(w_{i,t} A_{i,t}, clip(w_{i,t}, 1-eps_low, 1+eps_high) A_{i,t}) ]
+
+    With A_{i,t} = A_i it equals GSPO in value, clipping decisions and gradient, on- and
+    off-policy. Paper: arXiv 2507.18071 section 4.3. TRL 1.16 has no GSPO-token (its
+    importance_sampling_level is "token" or "sequence"). verl 0.9.1: loss_mode="gspo" is this form.
+    """
+    w = _sequence_ratio_per_token(x, cfg)                                               # [B, T]
+    loss, low, high = clipped_surrogate(w, x.adv, cfg.eps_low, cfg.eps_high)
+    return PolicyTerms(loss, w, low, high, kl=_reference_kl(x, cfg, "gspo_token"))
+
+
+# ---- 3.4 MPO (Xu et al. 2026, arXiv 2602.14386) -- RECONSTRUCTION ----------------------------------
+
+@objective(reads=("ref_logp",))
+def mpo_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
+    """MPO (Multi-token Policy Gradient Optimization) -- a RECONSTRUCTION from the abstract.
+
+        J = E[ (1/G) sum_i (1/J_i) sum_j min(rho_{i,j} A_i, clip(rho_{i,j}, 1-eps_low, 1+eps_high) A_i) ]
+        rho_{i,j} = prod_{t in block j} r_{i,t}          (block_ratio="joint")
+                  = (prod_{t in block j} r_{i,t})^(1/|block|)   (block_ratio="geomean")
+        blocks: K = block_size consecutive response tokens; J_i = ceil(|o_i| / K); the last block
+        may be shorter.
+
+    What is public (arXiv 2602.14386): one semantic decision spans several tokens, so MPO treats K
+    consecutive tokens as one action and changes only the importance ratio. What is ours: the block
+    construction, the ratio normalisation, the partial last block and the aggregation. A block is
+    clipped as a unit. Aggregation reads `block_agg`, not `aggregation`, because the unit is a block:
+      seq-mean-block-mean  mean over a sequence's blocks, then over sequences (GRPO-like; honours num_seqs)
+      block-mean           every block in the batch weighs the same (DAPO-like)
+      token-weighted       each block's loss given to each of its tokens, then token-mean
+                           (honours num_tokens)
+    The KL part (beta > 0) is per token, aggregated like the blocks (token-mean, or
+    seq-mean-token-mean for seq-mean-block-mean).
+    K = 1 is the token-level clipped surrogate (GRPO / DAPO); K >= the longest answer with
+    "geomean" is GSPO. A joint ratio drifts about K times faster than a token ratio: clip eps
+    or the log-ratio clamp may need to shrink with K.
+    On-policy every rho = 1 and nothing is clipped.
+    """
+    seq_adv = _sequence_advantages(x, "mpo")                                                  # [B]
+    log_rho, n_blk = block_log_ratio(x.logp, x.old_logp, x.mask, cfg.block_size, cfg.block_ratio)  # [B, J] each
+    rho = torch.exp(log_rho.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp))
+    blk_loss, blk_low, blk_high = clipped_surrogate(rho, _per_position(seq_adv, rho), cfg.eps_low, cfg.eps_high)
+    blk = block_index(x.mask, cfg.block_size)                                                 # [B, T]
+    at_tokens = lambda v: v.gather(1, blk)   # noqa: E731  ([B, J] -> [B, T]: a block's value at its tokens)
+    if cfg.block_agg == "token-weighted":
+        loss, units = at_tokens(blk_loss), None
+    else:  # blocks play the part of tokens in aggregate_loss
+        loss, units = blk_loss, n_blk > 0
+    mode = "seq-mean-token-mean" if cfg.block_agg == "seq-mean-block-mean" else "token-mean"
+    return PolicyTerms(loss, at_tokens(rho), at_tokens(blk_low), at_tokens(blk_high),
+                       kl=_reference_kl(x, cfg, "mpo"), aggregation=mode, units=units)
+
+
+# =====================================================================================================
+# 4. Entropy mathematics: why policy gradient lowers entropy, step by step
+# =====================================================================================================
+# Every objective above pushes up the log-probability of tokens with positive advantage and down that of
+# tokens with negative advantage. What does that do to the policy's entropy? One state, a softmax policy
+# over actions a (the vocabulary) with logits z:
+#   p_a = exp(z_a) / sum_b exp(z_b),   H(z) = -sum_a p_a log p_a   (softmax_entropy, section 1).
+# The result (Cui et al. 2505.22617; TEPO's appendix): a natural-policy-gradient step z <- z + eta A
+# changes the entropy by  -eta Cov_{a~p}(log p_a, A_a)  to first order. Confident actions with
+# positive advantage, and rare actions with negative advantage, lower entropy.
+# The steps, in the order of the functions below:
+#   1. the softmax Jacobian d log p_a / d z_b            softmax_log_jacobian
+#   2. the entropy gradient dH/dz                         entropy_grad_wrt_logits
+#   3. the Fisher matrix F = diag(p) - p p^T              fisher_matrix
+#   4. the vanilla policy-gradient step, dJ/dz = F A      policy_gradient_step
+#   5. the natural-gradient step, F^+ F A = A + const     natural_gradient_step
+#   6. the first-order entropy change -Cov(log p, dz)     first_order_entropy_change
+# All functions take z[..., V] and work on any leading batch shape. Section 5's remedies start from
+# the result: they act on the tokens with the largest share of Cov(log p, A).
+
+def _centred(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """values_a - E_{a~p}[values], the centring each step below needs.         [..., V], [..., V] -> [..., V]"""
+    return values - (p * values).sum(-1, keepdim=True)
+
+
+def softmax_log_jacobian(z: torch.Tensor) -> torch.Tensor:
+    """Step 1: d log p_a / d z_b = 1[a = b] - p_b.                                [..., V] -> [..., V, V]
+
+    (Row a, column b.) Equivalently d p_a / d z_b = p_a (1[a = b] - p_b).
+    """
+    p = torch.softmax(z, dim=-1)
+    eye = torch.eye(z.shape[-1], dtype=z.dtype, device=z.device)
+    return eye - p.unsqueeze(-2)
+
+
+def entropy_grad_wrt_logits(z: torch.Tensor) -> torch.Tensor:
+    """Step 2: dH/dz_b = -p_b (log p_b - E_p[log p]).                                [..., V] -> [..., V]
+
+    Differentiate H: dH/dz_b = -sum_a (dp_a/dz_b)(log p_a + 1) = -sum_a (dp_a/dz_b) log p_a, since
+    the probabilities sum to one (sum_a dp_a/dz_b = 0). Then substitute step 1's dp_a/dz_b.
+    Raising the logit of an action more probable than "average" (log p_b > E log p) lowers entropy.
+    """
+    logp = torch.log_softmax(z, dim=-1)
+    p = logp.exp()
+    return -p * _centred(p, logp)
+
+
+def fisher_matrix(z: torch.Tensor) -> torch.Tensor:
+    """Step 3: the Fisher information of a softmax in logit space, F = diag(p) - p p^T. [..., V] -> [..., V, V]
+
+    It is the covariance of the score d log p_a / dz, and singular along the all-ones direction
+    (adding a constant to every logit changes nothing).
+    """
+    p = torch.softmax(z, dim=-1)
+    return torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)
+
+
+def policy_gradient_step(z: torch.Tensor, A: torch.Tensor, eta: float) -> torch.Tensor:
+    """Step 4: vanilla PG on J = E_p[A]: dJ/dz = p (A - E_p A) = F A, so z <- z + eta p (A - E_p A)."""
+    p = torch.softmax(z, dim=-1)
+    return z + eta * p * _centred(p, A)
+
+
+def natural_gradient_step(z: torch.Tensor, A: torch.Tensor, eta: float) -> torch.Tensor:
+    """Step 5: NPG, z <- z + eta F^+ dJ/dz. Since dJ/dz = F A, F^+ F A = A - c 1, and the step is
+    z + eta A up to a constant that does not change p. Computed here with the pseudo-inverse so the
+    claim can be checked, not assumed.                                           [..., V] -> [..., V]
+    """
+    F = fisher_matrix(z)
+    grad = (F @ A.unsqueeze(-1)).squeeze(-1)                                # = p (A - E_p A)
+    return z + eta * (torch.linalg.pinv(F) @ grad.unsqueeze(-1)).squeeze(-1)
+
+
+def first_order_entropy_change(z: torch.Tensor, delta_z: torch.Tensor) -> torch.Tensor:
+    """Step 6: H(z + dz) - H(z) ~= <dH/dz, dz> = -Cov_{a~p}(log p_a, dz_a).           [..., V] -> [...]
+
+    Exact as a derivative: d/dt H(z + t u) at t = 0 is -Cov(log p, u). With dz = eta A (NPG) this
+    is -eta Cov(log p, A); with dz = eta p (A - E_p A) (vanilla PG) it is
+    -eta Cov(log p, p (A - E_p A)). Adding a constant to dz changes nothing (a covariance).
+    """
+    logp = torch.log_softmax(z, dim=-1)
+    p = logp.exp()
+    return -(p * _centred(p, logp) * _centred(p, delta_z)).sum(-1)
+
+
+@torch.no_grad()
+def entropy_change_prediction(logits_before: torch.Tensor, logits_after: torch.Tensor,
+                              temperature: float = 1.0, chunk_size: int = 1024):
+    """The derivation checked on real logits: predicted vs measured entropy change per position.
+
+    Given the logits at the same positions before and after an update ([N, V] or [..., V]),
+    returns (predicted, measured), each [...]:
+      predicted = -Cov_{a~p_before}(log p_before, dz),  dz = (z_after - z_before) / temperature
+      measured  = H(p_after) - H(p_before)
+    at the sampling temperature. They agree to first order; their gap is the O(dz^2) term.
+    Chunked over rows so a large vocabulary fits. bf16 logits are computed in float32, where
+    changes below ~1e-6 nats are at the rounding level; float64 logits stay float64.
+    """
+    if logits_before.shape != logits_after.shape:
+        raise ValueError(f"logits_after: shape {tuple(logits_after.shape)} does not match "
+                         f"logits_before {tuple(logits_before.shape)}")
+    V = logits_before.shape[-1]
+    before, after = logits_before.reshape(-1, V), logits_after.reshape(-1, V)
+    predicted = torch.empty(before.shape[0], dtype=torch.promote_types(before.dtype, torch.float32),
+                            device=before.device)
+    measured = torch.empty_like(predicted)
+    for start in range(0, before.shape[0], chunk_size):
+        z0 = _tempered(before[start:start + chunk_size], temperature)
+        z1 = _tempered(after[start:start + chunk_size], temperature)
+        predicted[start:start + chunk_size] = first_order_entropy_change(z0, z1 - z0)
+        measured[start:start + chunk_size] = softmax_entropy(z1) - softmax_entropy(z0)
+    shape = logits_before.shape[:-1]
+    return predicted.view(shape), measured.view(shape)
+
+
+# =====================================================================================================
+# 5. The remedies: keeping entropy up
+# =====================================================================================================
+# Section 4 says which tokens lower the entropy: those with a large share of Cov(log p, A), confident
+# tokens with positive advantage and rare ones with negative advantage. The classic remedy rewards
+# entropy at every token (the entropy bonus); Clip-Cov and KL-Cov act on the high-covariance tokens
+# alone; TEPO's KL mask holds back the tokens with positive advantage whose entropy is falling.
+
+# ---- 5.1 the entropy bonus (Williams and Peng 1991; PPO's c2 S[pi], arXiv 1707.06347) --------------
+
+def entropy_bonus(logits: torch.Tensor, mask: torch.Tensor, cfg: ObjectiveConfig, temperature: float = 1.0, *,
+                  num_tokens=None, num_seqs=None) -> torch.Tensor:
+    """The entropy bonus, a loss term: -entropy_coef * aggregate(H), H the full-vocabulary entropy at each
+    token, WITH its gradient.                                                 [B, T, V], [B, T] -> scalar
+
+    A classic remedy against entropy collapse (Williams and Peng 1991; PPO's c2 S[pi] term, arXiv
+    1707.06347 eq. 9). Added by the trainer to any objective's loss, as verl's actor adds its
+    entropy_coeff outside the policy losses, and aggregated like that objective's loss (cfg.aggregation,
+    num_tokens / num_seqs as in aggregate_loss). Its gradient on the logits z of a position is
+    -entropy_coef * w * dH/dz with dH/dz_v = -p_v (log p_v + H) (entropy_grad_wrt_logits, section 4),
+    w the aggregation weight.
+    Flag: --entropy-coef. Zero (no gradient, no cost) when entropy_coef = 0.
+    """
+    if cfg.entropy_coef == 0:
+        return torch.zeros((), dtype=_at_least_float32(logits).dtype, device=logits.device)
+    entropy = softmax_entropy(_tempered(logits, temperature))                   # [B, T], with gradient
+    return -cfg.entropy_coef * aggregate_loss(entropy, mask, cfg.aggregation, num_tokens=num_tokens,
+                                              num_seqs=num_seqs, norm_constant=cfg.norm_constant)
+
+
+# ---- 5.2 Clip-Cov and KL-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs",
+#          arXiv 2505.22617) ------------------------------------------------------------------------
+
+@torch.no_grad()
+def token_covariance(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Cov_{i,t} = (log pi_{i,t} - mean log pi) * (A_{i,t} - mean A), means over valid tokens.  [B, T]
+
+    Each token's contribution to Cov(log pi, A), the quantity that drives entropy down (section 4).
+    High values mark confident tokens with positive advantage (or rare ones with negative
+    advantage): the tokens that collapse entropy. Used by Clip-Cov, KL-Cov and TEPO's mask.
+    0 at padding.
+    """
+    logp = logp.detach()
+    adv = _per_position(advantages.detach().to(logp.dtype), logp)
+    cov = (logp - masked_mean(logp, mask)) * (adv - masked_mean(adv, mask))
+    return torch.where(mask.bool(), cov, torch.zeros_like(cov))
+
+
+@objective(reads=("ref_logp",))
+def clip_cov_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
+    """Clip-Cov: detach the gradient of a few random high-covariance tokens.
+
+        l_{i,t} = max(-A r, -A clip(r, 1-eps_low, 1+eps_high)) * (0 if (i,t) selected else 1)
+        candidates: valid, not already clipped by PPO, clip_cov_lb < Cov_{i,t} < clip_cov_ub
+        selected:   min(max(1, int(clip_cov_ratio * N_valid)), #candidates) drawn uniformly;
+                    none at clip_cov_ratio = 0 (ours: the control that selects nothing)
+
+    High Cov_{i,t} = (log pi - mean)(A - mean) marks the tokens that drive entropy down
+    (section 4); freezing a few of them keeps entropy up. The draw uses torch's global RNG:
+    seed it for reproducibility.
+    Paper: arXiv 2505.22617. verl 0.9.1: policy_loss.loss_mode="clip_cov", clip_cov_ratio=2e-4,
+    clip_cov_lb=1, clip_cov_ub=5; the official scripts set clip_ratio_low = clip_ratio_high = 1.
+    Does something even on-policy (selection does not depend on the ratio), but selects nothing
+    when no token's covariance falls in (lb, ub). beta > 0 adds a k3 KL to the reference.
+    """
+    ratio = _token_ratio(x, cfg)                                                        # [B, T]
+    loss, low, high = clipped_surrogate(ratio, x.adv, cfg.eps_low, cfg.eps_high)
+    with torch.no_grad():
+        cov = token_covariance(x.logp, x.adv, x.mask)
+        # candidates: valid tokens that PPO has not already clipped (low | high), lb < Cov < ub
+        ranked = cov.masked_fill(~x.mask | low | high, float("-inf"))
+        candidates = ((ranked > cfg.clip_cov_lb) & (ranked < cfg.clip_cov_ub)).flatten().nonzero().squeeze(-1)
+        # verl's max(1, ...) selects a token at any ratio > 0; ratio 0 is Clip-Cov switched off (our addition)
+        n_clip = min(max(1, int(cfg.clip_cov_ratio * x.mask.sum().item())) if cfg.clip_cov_ratio > 0 else 0,
+                     candidates.numel())
+        chosen = candidates[torch.randperm(candidates.numel(), device=candidates.device)[:n_clip]]
+        keep = torch.ones(x.logp.numel(), dtype=torch.bool, device=x.logp.device)
+        keep[chosen] = False
+        keep = keep.view_as(x.logp)
+    loss = torch.where(keep, loss, torch.zeros_like(loss))                  # selected: no value, no grad
+    extra = {"cov/n_selected": torch.tensor(float(n_clip)), "cov/mean": masked_mean(cov, x.mask)}
+    return PolicyTerms(loss, ratio, low, high, kl=_reference_kl(x, cfg, "clip_cov"), extra=extra)
+
+
+@objective(reads=())
+def kl_cov_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
+    """KL-Cov: no clipping; a |log-ratio| penalty on the top-covariance tokens.
+
+        l_{i,t} = -A r_{i,t} + beta |log pi_theta - log pi_old|_{i,t} * 1[(i,t) in top-k by Cov]
+        k = max(1, int(kl_cov_ratio * N_valid))
+
+    Every other token gets the unclipped policy-gradient loss -A r. beta is KL-Cov's coefficient
+    (ppo_kl_coef), not a reference KL.
+    Paper: arXiv 2505.22617. verl 0.9.1: policy_loss.loss_mode="kl_cov", kl_cov_ratio (2e-3 for 7B,
+    2e-4 for 32B), ppo_kl_coef=1.
+    Does nothing on-policy: |0| = 0 and torch's d|x|/dx at 0 is 0, so with one update per rollout
+    KL-Cov is the plain unclipped policy gradient (metrics: on_policy = 1; test_tepo.py, property 44).
+    """
+    ratio = _token_ratio(x, cfg)                                                        # [B, T]
+    loss = -x.adv * ratio                                                   # unclipped, every token
+    n_valid = int(x.mask.sum().item())
+    k = min(max(1, int(n_valid * cfg.kl_cov_ratio)), n_valid)
+    with torch.no_grad():
+        cov = token_covariance(x.logp, x.adv, x.mask)
+        selected = torch.zeros(x.logp.numel(), dtype=torch.bool, device=x.logp.device)
+        selected[torch.topk(cov.masked_fill(~x.mask, float("-inf")).flatten(), k).indices] = True
+        selected = selected.view_as(x.logp)
+    penalty = kl_penalty(x.logp, x.old_logp, cfg.kl_estimator)               # |delta| by default
+    # verl adds beta * penalty inside the per-token loss; aggregation is linear, so keeping it as
+    # the KL part (aggregated the same way) gives the same value and gradient and logs it apart.
+    kl = torch.where(selected, penalty, torch.zeros_like(penalty))
+    no_clip = torch.zeros_like(x.mask)
+    extra = {"cov/n_selected": torch.tensor(float(k)), "cov/mean": masked_mean(cov, x.mask)}
+    return PolicyTerms(loss, ratio, no_clip, no_clip, kl=kl, extra=extra)
+
+
+# ---- 5.3 TEPO (Lin et al. 2025/2026, arXiv 2510.09369 v1, 2604.12736 v2, ACL 2026) -- RECONSTRUCTION
+
+def tepo_kl_mask(logp, advantages, mask, cfg, entropy=None, old_entropy=None) -> torch.Tensor:
+    """TEPO's KL mask M_{i,t} = 1[A_i > 0] * 1[entropy at (i,t) is decreasing] on valid tokens.  bool [B, T]
+
+    "Decreasing entropy" is not defined in the public text; two readings (entropy_criterion):
+      cov       Cov_{i,t} > 0: the token's share of Cov(log pi, A) is positive, which by the
+                derivation (section 4) means a policy-gradient step lowers entropy there. With
+                A > 0 this picks positive-advantage tokens more probable than the batch average.
+      measured  H_theta(i,t) < H_old(i,t): the full-vocabulary entropy at that position has fallen
+                since the rollout (needs both entropies).
+    Built from detached tensors only: autograd never differentiates through the mask.
+    """
+    adv = _per_position(advantages.detach(), mask)
+    if cfg.entropy_criterion == "cov":
+        decreasing = token_covariance(logp, adv, mask) > 0
+    else:
+        if entropy is None or old_entropy is None:
+            raise ValueError("entropy: entropy_criterion='measured' needs entropy and old_entropy "
+                             "[B, T]; pass both or choose entropy_criterion='cov'")
+        decreasing = entropy.detach() < old_entropy.detach()
+    return (adv > 0) & decreasing & mask.bool()
+
+
+def _gmpo_surrogate(x: ObjectiveInputs, cfg: ObjectiveConfig):
+    """TEPO's ratio_mode="gmpo": the clip is applied to each token's log-ratio, in log space and in the
+    direction of A_i, before the geometric mean. Returns (loss, ratio, clipped_low, clipped_high), [B, T] each."""
+    seq_adv = _sequence_advantages(x, "tepo with ratio_mode='gmpo'")                    # [B]
+    sign = torch.sign(seq_adv).unsqueeze(-1)                                             # [B, 1]
+    delta = token_log_ratio(x.logp, x.old_logp, x.mask, cfg.log_ratio_clamp)
+    clipped = delta.clamp(-cfg.eps_low, cfg.eps_high)
+    delta_c = sign * torch.minimum(sign * delta, sign * clipped)                         # [B, T]
+    s = torch.exp(masked_mean(delta_c, x.mask, dim=-1))                                  # [B]
+    loss = _per_position(-seq_adv * s, x.logp)
+    low = (delta < -cfg.eps_low) & (x.adv < 0)
+    high = (delta > cfg.eps_high) & (x.adv > 0)
+    return loss, _per_position(s, x.logp), low, high
+
+
+@objective(reads=("ref_logp", "entropy", "old_entropy"))
+def tepo_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
+    """TEPO (Token-level Policy Optimization) -- a RECONSTRUCTION from the abstracts.
+
+        J = E[ 1/(sum_i |o_i|) sum_i sum_t ( min(w_{i,t} A_i, clip(w_{i,t}, 1-eps_low, 1+eps_high) A_i)
+                                              - beta M_{i,t} D_{i,t} ) ]
+        w_{i,t} = sg[s_i] pi_{i,t} / sg[pi_{i,t}],  s_i = geometric-mean sequence ratio (GSPO-token)
+        M_{i,t} = 1[A_i > 0] * 1[entropy decreasing at (i,t)]   (tepo_kl_mask; no gradient)
+        D_{i,t} = KL estimate of pi_theta against pi_old (kl_target="old") or pi_ref ("ref")
+
+    What is public (arXiv 2510.09369 v1, 2604.12736 v2, ACL 2026): group rewards are linked to
+    tokens through the sequence ("Markov") likelihood with token-level aggregation, and a
+    token-level KL mask constrains tokens with positive advantage and decreasing entropy. What is
+    ours: everything else. It is GSPO-token's ratio with DAPO's token-mean,
+    plus the masked KL. The switches that cover the ambiguity:
+      ratio_mode        gspo_token (above) | gmpo (clip each token's log-ratio in log space,
+                        sign-aware, then take the geometric mean; GMPO / verl "geo_mean"). Its
+                        clip_ratio metrics count only the clips that bind (A > 0 and delta > eps_high,
+                        A < 0 and delta < -eps_low); verl's geo_mean counts every token outside
+                        [-eps_low, eps_high], split by the sign of A.
+      entropy_criterion cov | measured                 (see tepo_kl_mask)
+      kl_target         old | ref;  kl_estimator abs | k3 | ...;  beta (default 1)
+      kl_mode           soft (+ beta M D) | hard (drop the policy gradient of masked tokens whose
+                        D > kl_tau; beta unused)
+      aggregation       token-mean (default); seq-mean-token-mean gives GSPO + the mask (ablation)
+    Defaults: PAPER_DEFAULTS["tepo"]; eps (3e-4, 4e-4) are GSPO's, since a geometric-mean ratio
+    hardly moves and GRPO's 0.2 would never clip.
+    Does nothing beyond DAPO when on-policy: with kl_target="old", D = 0 and dD = 0 at r = 1, so the
+    mask only acts from the second mini-batch or epoch of a rollout on, and an on-policy TEPO
+    step has exactly DAPO's gradient (metrics: on_policy = 1). Off-policy with an empty mask it
+    weighs sequence i by |o_i| / mean|o| relative to GSPO (equal lengths: GSPO's gradient).
+    Metrics add kl_mask/frac (masked / valid tokens) and kl_mask/penalty (mean of M * D).
+    """
+    if cfg.ratio_mode == "gspo_token":
+        w = _sequence_ratio_per_token(x, cfg)                                           # [B, T]
+        loss, low, high = clipped_surrogate(w, x.adv, cfg.eps_low, cfg.eps_high)
+    else:
+        loss, w, low, high = _gmpo_surrogate(x, cfg)
+    kl_mask = tepo_kl_mask(x.logp, x.adv, x.mask, cfg, x.entropy, x.old_entropy)        # [B, T]
+    target = x.old_logp if cfg.kl_target == "old" else x.ref_logp
+    if target is None:
+        raise ValueError("ref_logp: tepo with kl_target='ref' needs reference log-probs; pass "
+                         "ref_logp or choose kl_target='old'")
+    D = kl_penalty(x.logp, target.detach().to(x.logp.dtype), cfg.kl_estimator)         # [B, T]
+    masked_D = torch.where(kl_mask, D, torch.zeros_like(D))                              # M * D
+    if cfg.kl_mode == "hard":   # no KL part: the masked tokens far from the target lose their gradient
+        loss = torch.where(kl_mask & (D.detach() > cfg.kl_tau), torch.zeros_like(loss), loss)
+    extra = {"kl_mask/frac": masked_mean(kl_mask.to(x.logp.dtype), x.mask),
+             "kl_mask/penalty": masked_mean(masked_D.detach(), x.mask)}
+    return PolicyTerms(loss, w, low, high, kl=masked_D if cfg.kl_mode == "soft" else None, extra=extra)
+
+
+OBJECTIVES = {
+    "ppo": ppo_clip_loss,
+    "grpo": grpo_loss,
+    "dapo": dapo_loss,
+    "dr_grpo": dr_grpo_loss,
+    "clip_cov": clip_cov_loss,
+    "kl_cov": kl_cov_loss,
+    "gspo": gspo_loss,
+    "gspo_token": gspo_token_loss,
+    "tepo": tepo_loss,
+    "mpo": mpo_loss,
+}
+
+
+# =====================================================================================================
+# Appendix: the input checks and the metrics every objective shares (called by `objective`, section 3)
+# =====================================================================================================
+
+def _prepare(logp, old_logp, advantages, mask, cfg, **optional) -> ObjectiveInputs:
+    """Check shapes and values; return the inputs as ObjectiveInputs: float logp / old_logp, bool mask,
+    advantages as [B, T] (and as given), and the optional tensors passed (ref_logp, entropy, old_entropy).
 
     Every objective starts here, so every objective refuses, with a one-line ValueError naming the
     argument, the inputs that can only give a garbage loss:
@@ -608,9 +1230,12 @@ def _prepare(logp, old_logp, advantages, mask, cfg, **optional):
     Padding (mask 0) may hold anything: it reaches neither the loss, nor the gradient, nor a metric
     (test_tepo.py, property 43). Valid inputs pass unchanged. The checks cost one reduction per
     tensor (two for a float mask) when every value is finite; the masked count is made only to word
-    the error.
+    the error. The switches are not checked here: an ObjectiveConfig was checked when it was made and
+    cannot change since (section 2), so only its type is.
     """
-    check_config(cfg)
+    if not isinstance(cfg, ObjectiveConfig):
+        raise TypeError(f"cfg: expected an ObjectiveConfig (config_for(name) or ObjectiveConfig(...)), "
+                        f"got {type(cfg).__name__}")
     if logp.dim() != 2:
         raise ValueError(f"logp: expected shape [B, T], got {tuple(logp.shape)}")
     for name, tensor in (("old_logp", old_logp), ("mask", mask), *optional.items()):
@@ -629,8 +1254,8 @@ def _prepare(logp, old_logp, advantages, mask, cfg, **optional):
     adv = advantages.detach().to(dtype)
     if not _check_finite_where_valid("advantages", advantages, valid):
         adv = _finite_or_zero(adv)
-    adv = adv.unsqueeze(-1).expand(logp.shape) if adv.dim() == 1 else adv   # [B, T]
-    return logp.to(dtype), old_logp.detach().to(dtype), adv, valid
+    return ObjectiveInputs(logp.to(dtype), old_logp.detach().to(dtype), _per_position(adv, logp), advantages, valid,
+                           **optional)
 
 
 def _checked_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -679,57 +1304,17 @@ def _finite_or_zero(advantages: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(advantages), advantages, torch.zeros_like(advantages))
 
 
-def _sequence_advantages(advantages: torch.Tensor, objective: str) -> torch.Tensor:
-    """The per-sequence advantages [B] (after _prepare), non-finite ones (rows with nothing trained) as 0."""
-    if advantages.dim() != 1:
-        raise ValueError(f"advantages: {objective} needs one advantage per sequence, shape [B], got "
-                         f"{tuple(advantages.shape)}; choose gspo_token for per-token advantages")
-    return _finite_or_zero(advantages)
+def _sequence_advantages(x: ObjectiveInputs, objective_name: str) -> torch.Tensor:
+    """The per-sequence advantages [B] as constants in logp's dtype; non-finite ones (rows with nothing
+    trained, after _prepare) as 0. Per-token advantages are refused, naming the objective."""
+    if x.advantages.dim() != 1:
+        raise ValueError(f"advantages: {objective_name} needs one advantage per sequence, shape [B], got "
+                         f"{tuple(x.advantages.shape)}; choose gspo_token for per-token advantages")
+    return _finite_or_zero(x.advantages).detach().to(x.logp.dtype)
 
 
-def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float,
-                      dual_clip_c: float | None = None):
-    """PPO's pessimistic clipped loss, elementwise: max(-A r, -A clip(r, 1-eps_low, 1+eps_high)).
-
-    Returns (loss, clipped_low, clipped_high). A token is clipped, and gets zero gradient, when its
-    ratio has left the band in the direction its advantage pushes: r > 1 + eps_high with A > 0, or
-    r < 1 - eps_low with A < 0. At r = 1 nothing is clipped and the gradient is exactly
-    -A * d log pi (d r = r d log pi, r = 1; no factor 2: test_tepo.py, property 38).
-    Dual-clip: with A < 0 the loss is also capped at -A * c, so an exploded ratio on a
-    negative-advantage token cannot blow the loss up.
-    """
-    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps_low, 1 + eps_high))
-    if dual_clip_c is not None:
-        loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_clip_c), loss)
-    clipped_low = (ratio < 1 - eps_low) & (adv < 0)
-    clipped_high = (ratio > 1 + eps_high) & (adv > 0)
-    return loss, clipped_low, clipped_high
-
-
-def _reference_kl(logp, ref_logp, cfg, objective):
-    """The GRPO-style KL term beta * KL(pi_theta || pi_ref), per token; None when beta = 0."""
-    if cfg.beta == 0:
-        return None
-    if ref_logp is None:
-        raise ValueError(f"ref_logp: {objective} with beta={cfg.beta} needs reference log-probs; "
-                         f"pass ref_logp or choose beta=0")
-    return kl_penalty(logp, ref_logp.detach().to(logp.dtype), cfg.kl_estimator)
-
-
-def _aggregate(loss_mat, mask, cfg, num_tokens, num_seqs):
-    """aggregate_loss with the config's mode and constant."""
-    return aggregate_loss(loss_mat, mask, cfg.aggregation, num_tokens=num_tokens, num_seqs=num_seqs,
-                          norm_constant=cfg.norm_constant)
-
-
-def _finish(pg_loss, kl_mat, logp, old_logp, mask, cfg, *, ratio, clipped_low, clipped_high, num_tokens,
-            num_seqs, ref_logp=None, extra=None):
-    """Add the KL part (aggregated like the policy-gradient part) and gather the metrics.
-
-    pg_loss is the aggregated policy-gradient loss, kl_mat the per-token KL part [B, T] (None: no
-    KL part); ratio, clipped_low and clipped_high [B, T] are what the objective clipped, per token.
-
-    Metrics (floats; token statistics over valid tokens only):
+def _metrics(loss, pg_loss, kl_loss, terms: PolicyTerms, x: ObjectiveInputs) -> dict[str, float]:
+    """The metrics every objective reports, as floats (token statistics over valid tokens only):
       loss, pg_loss, kl_loss         the loss and its parts (loss = pg_loss + beta * kl_loss)
       clip_ratio/low_mean            fraction of tokens clipped at 1 - eps_low (A < 0)
       clip_ratio/high_mean           fraction clipped at 1 + eps_high (A > 0)
@@ -738,24 +1323,24 @@ def _finish(pg_loss, kl_mat, logp, old_logp, mask, cfg, *, ratio, clipped_low, c
       kl_old/k1, kl_old/k3           KL(pi_old || pi_theta) from the rollout's tokens; k1 is verl's
                                      ppo_kl while every |log-ratio| <= 20 (verl averages the
                                      clamped log-ratio, tepo the raw one)
-      kl_ref                         k3 KL to the reference, when ref_logp is given
+      kl_ref                         k3 KL to the reference, when the objective reads ref_logp and it is given
       on_policy                      1.0 when every ratio is exactly 1: clipping, GSPO's clipping,
                                      TEPO's KL mask (target old) and KL-Cov's penalty cannot act
                                      on this step. The loss value is then ~0 with centred
                                      advantages, while the gradient is not.
+    and the objective's own (terms.extra). One transfer to the CPU for all of them.
     """
-    kl_loss = (_aggregate(kl_mat, mask, cfg, num_tokens, num_seqs) if kl_mat is not None
-               else torch.zeros((), dtype=pg_loss.dtype, device=pg_loss.device))
-    loss = pg_loss + cfg.beta * kl_loss
+    mask = x.mask
     with torch.no_grad():
-        delta = torch.where(mask, logp - old_logp, torch.zeros_like(logp)).detach()
-        r = ratio.detach()
+        delta = torch.where(mask, x.logp - x.old_logp, torch.zeros_like(x.logp)).detach()
+        r = terms.ratio.detach()
         one = torch.ones((), dtype=r.dtype, device=r.device)
+        low, high = terms.clipped_low, terms.clipped_high
         stats = {
             "loss": loss.detach(), "pg_loss": pg_loss.detach(), "kl_loss": kl_loss.detach(),
-            "clip_ratio/low_mean": masked_mean(clipped_low.to(r.dtype), mask),
-            "clip_ratio/high_mean": masked_mean(clipped_high.to(r.dtype), mask),
-            "clip_ratio/region_mean": masked_mean((clipped_low | clipped_high).to(r.dtype), mask),
+            "clip_ratio/low_mean": masked_mean(low.to(r.dtype), mask),
+            "clip_ratio/high_mean": masked_mean(high.to(r.dtype), mask),
+            "clip_ratio/region_mean": masked_mean((low | high).to(r.dtype), mask),
             "ratio/mean": masked_mean(r, mask),
             "ratio/min": torch.where(mask, r, one).amin() if r.numel() else one,
             "ratio/max": torch.where(mask, r, one).amax() if r.numel() else one,
@@ -763,512 +1348,12 @@ def _finish(pg_loss, kl_mat, logp, old_logp, mask, cfg, *, ratio, clipped_low, c
             "kl_old/k3": masked_mean(torch.expm1(delta.clamp(max=20)) - delta, mask),
             "on_policy": (delta.abs().amax() == 0).to(r.dtype) if r.numel() else one,
         }
-        if ref_logp is not None:
-            stats["kl_ref"] = masked_mean(kl_penalty(logp.detach(), ref_logp.to(logp.dtype), "k3"), mask)
-        stats.update(extra or {})
+        if x.ref_logp is not None:
+            stats["kl_ref"] = masked_mean(kl_penalty(x.logp.detach(), x.ref_logp.to(x.logp.dtype), "k3"), mask)
+        stats.update(terms.extra)
         names = list(stats)
         values = torch.stack([v.to(torch.float64).reshape(()).cpu() for v in stats.values()]).tolist()
-    return loss, dict(zip(names, values))
-
-
-# ---- 3.1 PPO-clip (Schulman et al. 2017, arXiv 1707.06347) -------------------------------------------
-
-def ppo_clip_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None,
-                  old_entropy=None, num_tokens=None, num_seqs=None):
-    """PPO's clipped surrogate at the token level, as LLM RL uses it.
-
-        l_{i,t} = max(-A_{i,t} r_{i,t}, -A_{i,t} clip(r_{i,t}, 1 - eps_low, 1 + eps_high))
-                  [+ dual clip: min(l, -A c) where A < 0]  + beta * KL_k(pi_theta || pi_ref)_{i,t}
-        r_{i,t} = exp(log pi_theta - log pi_old)
-
-    Paper: Schulman et al., arXiv 1707.06347 (the original uses GAE advantages from a critic; here
-    the advantages are whatever you pass, usually group-relative). verl 0.9.1: policy_loss.loss_mode=
-    "vanilla" (clip_ratio_low/high; it always dual-clips, clip_ratio_c=3 by default).
-    Defaults: PAPER_DEFAULTS["ppo"].
-    Does nothing special when on-policy: every r = 1, no token is clipped, and the gradient is the
-    plain policy gradient -A d log pi (aggregated).
-    """
-    logp, old_logp, adv, mask = _prepare(logp, old_logp, advantages, mask, cfg, ref_logp=ref_logp)
-    delta = token_log_ratio(logp, old_logp, mask, cfg.log_ratio_clamp)
-    ratio = torch.exp(delta)                                                # [B, T]
-    pg_mat, low, high = clipped_surrogate(ratio, adv, cfg.eps_low, cfg.eps_high, cfg.dual_clip_c)
-    kl_mat = _reference_kl(logp, ref_logp, cfg, "ppo")
-    pg_loss = _aggregate(pg_mat, mask, cfg, num_tokens, num_seqs)
-    return _finish(pg_loss, kl_mat, logp, old_logp, mask, cfg, ratio=ratio, clipped_low=low, clipped_high=high,
-                   num_tokens=num_tokens, num_seqs=num_seqs, ref_logp=ref_logp)
-
-
-# ---- 3.2 GRPO (DeepSeekMath, Shao et al. 2024, arXiv 2402.03300) -----------------------------------
-
-def grpo_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None, old_entropy=None,
-              num_tokens=None, num_seqs=None):
-    """GRPO: PPO-clip with group-relative advantages, a per-sequence mean, and a k3 KL to the reference.
-
-        J = E[ (1/G) sum_i (1/|o_i|) sum_t { min(r A_i, clip(r, 1-eps, 1+eps) A_i) - beta D_KL,i,t } ]
-        A_i = (r_i - mean(r_group)) / std(r_group),  D_KL = pi_ref/pi - log(pi_ref/pi) - 1   (k3)
-
-    The per-token computation is exactly ppo_clip_loss; GRPO is a choice of advantages
-    (group_advantages, scale="group"), aggregation ("seq-mean-token-mean") and KL (beta=0.04, k3).
-    Paper: arXiv 2402.03300. TRL 1.16: GRPOTrainer(loss_type="grpo", beta=0.04). verl 0.9.1:
-    algorithm.adv_estimator=grpo, loss_agg_mode=seq-mean-token-mean, use_kl_loss=True,
-    kl_loss_type=low_var_kl; verl's `vanilla` loss always dual-clips (c = 3), which tepo's GRPO, DAPO
-    and Dr. GRPO defaults do not (dual_clip_c=3 to match). DeepSeekMath made one update per
-    rollout, so r = 1 and the clip never acted (metrics: on_policy = 1); a group whose rewards are
-    all equal has A = 0 and contributes only its KL gradient.
-    """
-    return ppo_clip_loss(logp, old_logp, advantages, mask, cfg, ref_logp=ref_logp,
-                         num_tokens=num_tokens, num_seqs=num_seqs)
-
-
-# ---- 3.3 DAPO (Yu et al. 2025, arXiv 2503.14476) ------------------------------------------------------
-
-def dapo_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None, old_entropy=None,
-              num_tokens=None, num_seqs=None):
-    """DAPO: PPO-clip with clip-higher and a token-level mean over the whole batch.
-
-        J = E[ 1/(sum_i |o_i|) sum_i sum_t min(r_{i,t} A_i, clip(r_{i,t}, 1-eps_low, 1+eps_high) A_i) ]
-        subject to 0 < #correct in the group < G
-
-    Four techniques: clip-higher (eps_low 0.2, eps_high 0.28: low-probability tokens with positive
-    advantage may grow, which slows entropy collapse); token-mean aggregation (every token weighs
-    the same, so long answers are not down-weighted); dynamic sampling (dynamic_sampling_mask,
-    data side); overlong reward shaping (soft_overlong_punishment, data side). No KL (beta = 0).
-    The per-token computation is ppo_clip_loss; the config makes it DAPO.
-    Paper: arXiv 2503.14476. TRL 1.16: loss_type="dapo", epsilon=0.2, epsilon_high=0.28. verl 0.9.1:
-    clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=token-mean, algorithm.filter_groups.
-    On-policy the clip does nothing and DAPO is the token-mean policy gradient.
-    """
-    return ppo_clip_loss(logp, old_logp, advantages, mask, cfg, ref_logp=ref_logp,
-                         num_tokens=num_tokens, num_seqs=num_seqs)
-
-
-# ---- 3.4 Dr. GRPO (Liu et al. 2025, arXiv 2503.20783) -----------------------------------------------
-
-def dr_grpo_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None, old_entropy=None,
-                 num_tokens=None, num_seqs=None):
-    """Dr. GRPO ("GRPO done right"): remove GRPO's two normalisations that bias it.
-
-        J = E[ 1/(G L) sum_i sum_t min(r_{i,t} A~_i, clip(r_{i,t}, 1-eps, 1+eps) A~_i) ],
-        A~_i = r_i - mean(r_group)
-
-    1/|o_i| is gone (it under-penalises long wrong answers), replaced by a constant L
-    (norm_constant; the max generation length); 1/std is gone from the advantage
-    (advantage_scale="none"; it up-weights too easy and too hard questions). No KL.
-    Paper: arXiv 2503.20783. TRL 1.16: loss_type="dr_grpo", scale_rewards="none". verl 0.9.1:
-    loss_agg_mode=seq-mean-token-sum-norm (it divides by B * C, as here), norm_adv_by_std_in_grpo=False.
-    """
-    return ppo_clip_loss(logp, old_logp, advantages, mask, cfg, ref_logp=ref_logp,
-                         num_tokens=num_tokens, num_seqs=num_seqs)
-
-
-# ---- 3.5 Clip-Cov and KL-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs",
-#          arXiv 2505.22617) ------------------------------------------------------------------------
-
-def clip_cov_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None,
-                  old_entropy=None, num_tokens=None, num_seqs=None):
-    """Clip-Cov: detach the gradient of a few random high-covariance tokens.
-
-        l_{i,t} = max(-A r, -A clip(r, 1-eps_low, 1+eps_high)) * (0 if (i,t) selected else 1)
-        candidates: valid, not already clipped by PPO, clip_cov_lb < Cov_{i,t} < clip_cov_ub
-        selected:   min(max(1, int(clip_cov_ratio * N_valid)), #candidates) drawn uniformly;
-                    none at clip_cov_ratio = 0 (ours: the control that selects nothing)
-
-    High Cov_{i,t} = (log pi - mean)(A - mean) marks the tokens that drive entropy down
-    (section 4); freezing a few of them keeps entropy up. The draw uses torch's global RNG:
-    seed it for reproducibility.
-    Paper: arXiv 2505.22617. verl 0.9.1: policy_loss.loss_mode="clip_cov", clip_cov_ratio=2e-4,
-    clip_cov_lb=1, clip_cov_ub=5; the official scripts set clip_ratio_low = clip_ratio_high = 1.
-    Does something even on-policy (selection does not depend on the ratio), but selects nothing
-    when no token's covariance falls in (lb, ub). beta > 0 adds a k3 KL to the reference.
-    """
-    logp, old_logp, adv, mask = _prepare(logp, old_logp, advantages, mask, cfg, ref_logp=ref_logp)
-    delta = token_log_ratio(logp, old_logp, mask, cfg.log_ratio_clamp)
-    ratio = torch.exp(delta)
-    pg_mat, low, high = clipped_surrogate(ratio, adv, cfg.eps_low, cfg.eps_high)
-    with torch.no_grad():
-        cov = token_covariance(logp, adv, mask)
-        # candidates: valid tokens that PPO has not already clipped (low | high), lb < Cov < ub
-        ranked = cov.masked_fill(~mask | low | high, float("-inf"))
-        candidates = ((ranked > cfg.clip_cov_lb) & (ranked < cfg.clip_cov_ub)).flatten().nonzero().squeeze(-1)
-        # verl's max(1, ...) selects a token at any ratio > 0; ratio 0 is Clip-Cov switched off (our addition)
-        n_clip = min(max(1, int(cfg.clip_cov_ratio * mask.sum().item())) if cfg.clip_cov_ratio > 0 else 0,
-                     candidates.numel())
-        chosen = candidates[torch.randperm(candidates.numel(), device=candidates.device)[:n_clip]]
-        keep = torch.ones(logp.numel(), dtype=torch.bool, device=logp.device)
-        keep[chosen] = False
-        keep = keep.view_as(logp)
-    pg_mat = torch.where(keep, pg_mat, torch.zeros_like(pg_mat))           # selected: no value, no grad
-    kl_mat = _reference_kl(logp, ref_logp, cfg, "clip_cov")
-    extra = {"cov/n_selected": torch.tensor(float(n_clip)), "cov/mean": masked_mean(cov, mask)}
-    pg_loss = _aggregate(pg_mat, mask, cfg, num_tokens, num_seqs)
-    return _finish(pg_loss, kl_mat, logp, old_logp, mask, cfg, ratio=ratio, clipped_low=low, clipped_high=high,
-                   num_tokens=num_tokens, num_seqs=num_seqs, ref_logp=ref_logp, extra=extra)
-
-
-def kl_cov_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None,
-                old_entropy=None, num_tokens=None, num_seqs=None):
-    """KL-Cov: no clipping; a |log-ratio| penalty on the top-covariance tokens.
-
-        l_{i,t} = -A r_{i,t} + beta |log pi_theta - log pi_old|_{i,t} * 1[(i,t) in top-k by Cov]
-        k = max(1, int(kl_cov_ratio * N_valid))
-
-    Every other token gets the unclipped policy-gradient loss -A r. beta is KL-Cov's coefficient
-    (ppo_kl_coef), not a reference KL.
-    Paper: arXiv 2505.22617. verl 0.9.1: policy_loss.loss_mode="kl_cov", kl_cov_ratio (2e-3 for 7B,
-    2e-4 for 32B), ppo_kl_coef=1.
-    Does nothing on-policy: |0| = 0 and torch's d|x|/dx at 0 is 0, so with one update per rollout
-    KL-Cov is the plain unclipped policy gradient (metrics: on_policy = 1; test_tepo.py, property 44).
-    """
-    logp, old_logp, adv, mask = _prepare(logp, old_logp, advantages, mask, cfg)
-    delta = token_log_ratio(logp, old_logp, mask, cfg.log_ratio_clamp)
-    ratio = torch.exp(delta)
-    pg_mat = -adv * ratio                                                   # unclipped, every token
-    n_valid = int(mask.sum().item())
-    k = min(max(1, int(n_valid * cfg.kl_cov_ratio)), n_valid)
-    with torch.no_grad():
-        cov = token_covariance(logp, adv, mask)
-        selected = torch.zeros(logp.numel(), dtype=torch.bool, device=logp.device)
-        selected[torch.topk(cov.masked_fill(~mask, float("-inf")).flatten(), k).indices] = True
-        selected = selected.view_as(logp)
-    penalty = kl_penalty(logp, old_logp, cfg.kl_estimator)                 # |delta| by default
-    # verl adds beta * penalty inside the per-token loss; aggregation is linear, so keeping it as
-    # the KL part (aggregated the same way) gives the same value and gradient and logs it apart.
-    kl_mat = torch.where(selected, penalty, torch.zeros_like(penalty))
-    no_clip = torch.zeros_like(mask)
-    extra = {"cov/n_selected": torch.tensor(float(k)), "cov/mean": masked_mean(cov, mask)}
-    pg_loss = _aggregate(pg_mat, mask, cfg, num_tokens, num_seqs)
-    return _finish(pg_loss, kl_mat, logp, old_logp, mask, cfg, ratio=ratio, clipped_low=no_clip,
-                   clipped_high=no_clip, num_tokens=num_tokens, num_seqs=num_seqs, extra=extra)
-
-
-# ---- 3.6 GSPO (Zheng et al. 2025, Qwen team, arXiv 2507.18071) ---------------------------------------
-
-def gspo_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None, old_entropy=None,
-              num_tokens=None, num_seqs=None):
-    """GSPO: one importance ratio per sequence, the geometric mean of its token ratios.
-
-        J = E[ (1/G) sum_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i) ]
-        s_i = (pi_theta(o_i|q) / pi_old(o_i|q)) ** (1/|o_i|) = exp(mean_t delta_{i,t})
-
-    The reward is given to a sequence, so the ratio is a sequence's too: a sequence is clipped as
-    a unit (all its tokens get zero gradient), whatever its individual token ratios. Unclipped
-    gradient: (1/G) sum_i s_i A_i (1/|o_i|) sum_t d log pi_{i,t}.
-    Here the sequence loss is spread over the sequence's tokens so that the `aggregation` switch
-    applies: "seq-mean-token-mean" (the paper) gives exactly the mean over sequences; "token-mean"
-    would weigh sequences by length (TRL warns about this).
-    Paper: arXiv 2507.18071, eps (3e-4, 4e-4), 4 mini-batches per rollout, no KL. TRL 1.16:
-    importance_sampling_level="sequence", loss_type="grpo". verl 0.9.1: loss_mode="gspo" (it honours
-    loss_agg_mode, default token-mean, and clamps the log-ratio at 10 from above).
-    On-policy s_i = 1 and GSPO's gradient equals GRPO's (metrics: on_policy = 1).
-    """
-    logp, old_logp, adv, mask = _prepare(logp, old_logp, advantages, mask, cfg, ref_logp=ref_logp)
-    seq_adv = _sequence_advantages(advantages, "gspo").detach().to(logp.dtype)          # [B]
-    log_s = sequence_log_ratio(logp, old_logp, mask).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
-    s = torch.exp(log_s)                                                                  # [B]
-    seq_loss, low, high = clipped_surrogate(s, seq_adv, cfg.eps_low, cfg.eps_high)      # [B]
-    pg_mat = seq_loss.unsqueeze(-1).expand_as(logp)                                      # [B, T]
-    kl_mat = _reference_kl(logp, ref_logp, cfg, "gspo")
-    as_tokens = lambda x: x.unsqueeze(-1).expand_as(logp)   # noqa: E731  (sequence stat per token)
-    pg_loss = _aggregate(pg_mat, mask, cfg, num_tokens, num_seqs)
-    return _finish(pg_loss, kl_mat, logp, old_logp, mask, cfg, ratio=as_tokens(s), clipped_low=as_tokens(low),
-                   clipped_high=as_tokens(high), num_tokens=num_tokens, num_seqs=num_seqs, ref_logp=ref_logp)
-
-
-def _sequence_ratio_per_token(logp, old_logp, mask, clamp):
-    """GSPO-token's w_{i,t} = sg[s_i] * pi_{i,t} / sg[pi_{i,t}]: value s_i, gradient s_i d log pi_{i,t}."""
-    log_s = sequence_log_ratio(logp, old_logp, mask).detach()                            # [B]
-    log_w = logp - logp.detach() + log_s.unsqueeze(-1)                                   # [B, T]
-    return torch.exp(log_w.clamp(-clamp, clamp))
-
-
-def gspo_token_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None,
-                    old_entropy=None, num_tokens=None, num_seqs=None):
-    """GSPO-token: GSPO's sequence ratio carried to every token, so advantages may differ per token.
-
-        w_{i,t} = sg[s_i] * pi_theta(o_{i,t}) / sg[pi_theta(o_{i,t})]     (value s_i, grad s_i d log pi)
-        J = E[ (1/G) sum_i (1/|o_i|) sum_t min(w_{i,t} A_{i,t}, clip(w_{i,t}, 1-eps_low, 1+eps_high) A_{i,t}) ]
-
-    With A_{i,t} = A_i it equals GSPO in value, clipping decisions and gradient, on- and
-    off-policy. Paper: arXiv 2507.18071 section 4.3. TRL 1.16 has no GSPO-token (its
-    importance_sampling_level is "token" or "sequence"). verl 0.9.1: loss_mode="gspo" is this form.
-    """
-    logp, old_logp, adv, mask = _prepare(logp, old_logp, advantages, mask, cfg, ref_logp=ref_logp)
-    w = _sequence_ratio_per_token(logp, old_logp, mask, cfg.log_ratio_clamp)            # [B, T]
-    pg_mat, low, high = clipped_surrogate(w, adv, cfg.eps_low, cfg.eps_high)
-    kl_mat = _reference_kl(logp, ref_logp, cfg, "gspo_token")
-    pg_loss = _aggregate(pg_mat, mask, cfg, num_tokens, num_seqs)
-    return _finish(pg_loss, kl_mat, logp, old_logp, mask, cfg, ratio=w, clipped_low=low, clipped_high=high,
-                   num_tokens=num_tokens, num_seqs=num_seqs, ref_logp=ref_logp)
-
-
-# ---- 3.7 TEPO (Lin et al. 2025/2026, arXiv 2510.09369 v1, 2604.12736 v2, ACL 2026) -- RECONSTRUCTION
-
-def tepo_kl_mask(logp, advantages, mask, cfg, entropy=None, old_entropy=None) -> torch.Tensor:
-    """TEPO's KL mask M_{i,t} = 1[A_i > 0] * 1[entropy at (i,t) is decreasing] on valid tokens.  bool [B, T]
-
-    "Decreasing entropy" is not defined in the public text; two readings (entropy_criterion):
-      cov       Cov_{i,t} > 0: the token's share of Cov(log pi, A) is positive, which by the
-                derivation (section 4) means a policy-gradient step lowers entropy there. With
-                A > 0 this picks positive-advantage tokens more probable than the batch average.
-      measured  H_theta(i,t) < H_old(i,t): the full-vocabulary entropy at that position has fallen
-                since the rollout (needs both entropies).
-    Built from detached tensors only: autograd never differentiates through the mask.
-    """
-    adv = advantages.detach()
-    adv = adv.unsqueeze(-1).expand(mask.shape) if adv.dim() == 1 else adv
-    if cfg.entropy_criterion == "cov":
-        decreasing = token_covariance(logp, adv, mask) > 0
-    else:
-        if entropy is None or old_entropy is None:
-            raise ValueError("entropy: entropy_criterion='measured' needs entropy and old_entropy "
-                             "[B, T]; pass both or choose entropy_criterion='cov'")
-        decreasing = entropy.detach() < old_entropy.detach()
-    return (adv > 0) & decreasing & mask.bool()
-
-
-def tepo_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None, old_entropy=None,
-              num_tokens=None, num_seqs=None):
-    """TEPO (Token-level Policy Optimization) -- a RECONSTRUCTION from the abstracts.
-
-        J = E[ 1/(sum_i |o_i|) sum_i sum_t ( min(w_{i,t} A_i, clip(w_{i,t}, 1-eps_low, 1+eps_high) A_i)
-                                              - beta M_{i,t} D_{i,t} ) ]
-        w_{i,t} = sg[s_i] pi_{i,t} / sg[pi_{i,t}],  s_i = geometric-mean sequence ratio (GSPO-token)
-        M_{i,t} = 1[A_i > 0] * 1[entropy decreasing at (i,t)]   (tepo_kl_mask; no gradient)
-        D_{i,t} = KL estimate of pi_theta against pi_old (kl_target="old") or pi_ref ("ref")
-
-    What is public (arXiv 2510.09369 v1, 2604.12736 v2, ACL 2026): group rewards are linked to
-    tokens through the sequence ("Markov") likelihood with token-level aggregation, and a
-    token-level KL mask constrains tokens with positive advantage and decreasing entropy. What is
-    ours: everything else. It is GSPO-token's ratio with DAPO's token-mean,
-    plus the masked KL. The switches that cover the ambiguity:
-      ratio_mode        gspo_token (above) | gmpo (clip each token's log-ratio in log space,
-                        sign-aware, then take the geometric mean; GMPO / verl "geo_mean"). Its
-                        clip_ratio metrics count only the clips that bind (A > 0 and delta > eps_high,
-                        A < 0 and delta < -eps_low); verl's geo_mean counts every token outside
-                        [-eps_low, eps_high], split by the sign of A.
-      entropy_criterion cov | measured                 (see tepo_kl_mask)
-      kl_target         old | ref;  kl_estimator abs | k3 | ...;  beta (default 1)
-      kl_mode           soft (+ beta M D) | hard (drop the policy gradient of masked tokens whose
-                        D > kl_tau; beta unused)
-      aggregation       token-mean (default); seq-mean-token-mean gives GSPO + the mask (ablation)
-    Defaults: PAPER_DEFAULTS["tepo"]; eps (3e-4, 4e-4) are GSPO's, since a geometric-mean ratio
-    hardly moves and GRPO's 0.2 would never clip.
-    Does nothing beyond DAPO when on-policy: with kl_target="old", D = 0 and dD = 0 at r = 1, so the
-    mask only acts from the second mini-batch or epoch of a rollout on, and an on-policy TEPO
-    step has exactly DAPO's gradient (metrics: on_policy = 1). Off-policy with an empty mask it
-    weighs sequence i by |o_i| / mean|o| relative to GSPO (equal lengths: GSPO's gradient).
-    Metrics add kl_mask/frac (masked / valid tokens) and kl_mask/penalty (mean of M * D).
-    """
-    logp, old_logp, adv, mask = _prepare(logp, old_logp, advantages, mask, cfg, ref_logp=ref_logp,
-                                         entropy=entropy, old_entropy=old_entropy)
-    if cfg.ratio_mode == "gspo_token":
-        w = _sequence_ratio_per_token(logp, old_logp, mask, cfg.log_ratio_clamp)         # [B, T]
-        pg_mat, low, high = clipped_surrogate(w, adv, cfg.eps_low, cfg.eps_high)
-    else:  # gmpo: the clip is applied to each token's log-ratio, in log space, before the mean
-        seq_adv = _sequence_advantages(advantages, "tepo with ratio_mode='gmpo'").detach().to(logp.dtype)
-        sign = torch.sign(seq_adv).unsqueeze(-1)                                         # [B, 1]
-        delta = token_log_ratio(logp, old_logp, mask, cfg.log_ratio_clamp)
-        clipped = delta.clamp(-cfg.eps_low, cfg.eps_high)
-        delta_c = sign * torch.minimum(sign * delta, sign * clipped)                     # [B, T]
-        s = torch.exp(masked_mean(delta_c, mask, dim=-1))                                # [B]
-        pg_mat = (-seq_adv * s).unsqueeze(-1).expand_as(logp)
-        w = s.unsqueeze(-1).expand_as(logp)
-        low = (delta < -cfg.eps_low) & (adv < 0)
-        high = (delta > cfg.eps_high) & (adv > 0)
-
-    kl_mask = tepo_kl_mask(logp, adv, mask, cfg, entropy, old_entropy)                   # [B, T]
-    target = old_logp if cfg.kl_target == "old" else ref_logp
-    if target is None:
-        raise ValueError("ref_logp: tepo with kl_target='ref' needs reference log-probs; pass "
-                         "ref_logp or choose kl_target='old'")
-    D = kl_penalty(logp, target.detach().to(logp.dtype), cfg.kl_estimator)             # [B, T]
-    zero = torch.zeros_like(D)
-    if cfg.kl_mode == "soft":
-        kl_mat = torch.where(kl_mask, D, zero)
-    else:
-        pg_mat = torch.where(kl_mask & (D.detach() > cfg.kl_tau), torch.zeros_like(pg_mat), pg_mat)
-        kl_mat = None
-    extra = {"kl_mask/frac": masked_mean(kl_mask.to(logp.dtype), mask),
-             "kl_mask/penalty": masked_mean(torch.where(kl_mask, D, zero).detach(), mask)}
-    pg_loss = _aggregate(pg_mat, mask, cfg, num_tokens, num_seqs)
-    return _finish(pg_loss, kl_mat, logp, old_logp, mask, cfg, ratio=w, clipped_low=low, clipped_high=high,
-                   num_tokens=num_tokens, num_seqs=num_seqs, ref_logp=ref_logp, extra=extra)
-
-
-# ---- 3.8 MPO (Xu et al. 2026, arXiv 2602.14386) -- RECONSTRUCTION ----------------------------------
-
-def mpo_loss(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None, old_entropy=None,
-             num_tokens=None, num_seqs=None):
-    """MPO (Multi-token Policy Gradient Optimization) -- a RECONSTRUCTION from the abstract.
-
-        J = E[ (1/G) sum_i (1/J_i) sum_j min(rho_{i,j} A_i, clip(rho_{i,j}, 1-eps_low, 1+eps_high) A_i) ]
-        rho_{i,j} = prod_{t in block j} r_{i,t}          (block_ratio="joint")
-                  = (prod_{t in block j} r_{i,t})^(1/|block|)   (block_ratio="geomean")
-        blocks: K = block_size consecutive response tokens; J_i = ceil(|o_i| / K); the last block
-        may be shorter.
-
-    What is public (arXiv 2602.14386): one semantic decision spans several tokens, so MPO treats K
-    consecutive tokens as one action and changes only the importance ratio. What is ours: the block
-    construction, the ratio normalisation, the partial last block and the aggregation. A block is
-    clipped as a unit. Aggregation reads `block_agg`, not `aggregation`, because the unit is a block:
-      seq-mean-block-mean  mean over a sequence's blocks, then over sequences (GRPO-like; honours num_seqs)
-      block-mean           every block in the batch weighs the same (DAPO-like)
-      token-weighted       each block's loss given to each of its tokens, then token-mean
-                           (honours num_tokens)
-    K = 1 is the token-level clipped surrogate (GRPO / DAPO); K >= the longest answer with
-    "geomean" is GSPO. A joint ratio drifts about K times faster than a token ratio: clip eps
-    or the log-ratio clamp may need to shrink with K.
-    On-policy every rho = 1 and nothing is clipped.
-    """
-    logp, old_logp, adv, mask = _prepare(logp, old_logp, advantages, mask, cfg, ref_logp=ref_logp)
-    seq_adv = _sequence_advantages(advantages, "mpo").detach().to(logp.dtype)           # [B]
-    log_rho, n_blk = block_log_ratio(logp, old_logp, mask, cfg.block_size, cfg.block_ratio)  # [B, J]
-    rho = torch.exp(log_rho.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp))
-    blk_adv = seq_adv.unsqueeze(-1).expand_as(rho)
-    blk_loss, blk_low, blk_high = clipped_surrogate(rho, blk_adv, cfg.eps_low, cfg.eps_high)  # [B, J]
-
-    blk = block_index(mask, cfg.block_size)                                             # [B, T]
-    per_token = lambda x: x.gather(1, blk)   # noqa: E731  (a block's value at each of its tokens)
-    if cfg.block_agg == "token-weighted":
-        token_cfg = dataclasses.replace(cfg, aggregation="token-mean")
-        pg_loss = _aggregate(per_token(blk_loss), mask, token_cfg, num_tokens, num_seqs)
-    else:  # blocks play the part of tokens in aggregate_loss
-        token_cfg = dataclasses.replace(cfg, aggregation="token-mean" if cfg.block_agg == "block-mean"
-                                        else "seq-mean-token-mean")
-        pg_loss = _aggregate(blk_loss, n_blk > 0, token_cfg, None, num_seqs)
-    kl_mat = _reference_kl(logp, ref_logp, cfg, "mpo")       # per token, aggregated like the blocks
-    return _finish(pg_loss, kl_mat, logp, old_logp, mask, token_cfg, ratio=per_token(rho),
-                   clipped_low=per_token(blk_low), clipped_high=per_token(blk_high), num_tokens=num_tokens,
-                   num_seqs=num_seqs, ref_logp=ref_logp)
-
-
-OBJECTIVES = {
-    "ppo": ppo_clip_loss,
-    "grpo": grpo_loss,
-    "dapo": dapo_loss,
-    "dr_grpo": dr_grpo_loss,
-    "clip_cov": clip_cov_loss,
-    "kl_cov": kl_cov_loss,
-    "gspo": gspo_loss,
-    "gspo_token": gspo_token_loss,
-    "tepo": tepo_loss,
-    "mpo": mpo_loss,
-}
-
-
-# =====================================================================================================
-# 4. Entropy mathematics: why policy gradient lowers entropy, step by step
-# =====================================================================================================
-# One state, a softmax policy over actions a (the vocabulary) with logits z:
-#   p_a = exp(z_a) / sum_b exp(z_b),   H(z) = -sum_a p_a log p_a.
-# The result (Cui et al. 2505.22617; TEPO's appendix): a natural-policy-gradient step z <- z + eta A
-# changes the entropy by  -eta Cov_{a~p}(log p_a, A_a)  to first order. Confident actions with
-# positive advantage, and rare actions with negative advantage, lower entropy.
-# The steps, in the order of the functions below:
-#   1. the softmax Jacobian d log p_a / d z_b            softmax_log_jacobian
-#   2. the entropy gradient dH/dz                         entropy_grad_wrt_logits
-#   3. the Fisher matrix F = diag(p) - p p^T              fisher_matrix
-#   4. the vanilla policy-gradient step, dJ/dz = F A      policy_gradient_step
-#   5. the natural-gradient step, F^+ F A = A + const     natural_gradient_step
-#   6. the first-order entropy change -Cov(log p, dz)     first_order_entropy_change
-# All functions take z[..., V] and work on any leading batch shape.
-
-def softmax_entropy(z: torch.Tensor) -> torch.Tensor:
-    """H(softmax(z)), with gradient.                                               [..., V] -> [...]"""
-    logp = torch.log_softmax(z, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
-def softmax_log_jacobian(z: torch.Tensor) -> torch.Tensor:
-    """Step 1: d log p_a / d z_b = 1[a = b] - p_b.                                [..., V] -> [..., V, V]
-
-    (Row a, column b.) Equivalently d p_a / d z_b = p_a (1[a = b] - p_b).
-    """
-    p = torch.softmax(z, dim=-1)
-    eye = torch.eye(z.shape[-1], dtype=z.dtype, device=z.device)
-    return eye - p.unsqueeze(-2)
-
-
-def entropy_grad_wrt_logits(z: torch.Tensor) -> torch.Tensor:
-    """Step 2: dH/dz_b = -p_b (log p_b - E_p[log p]).                                [..., V] -> [..., V]
-
-    Differentiate H: dH/dz_b = -sum_a (dp_a/dz_b)(log p_a + 1) = -sum_a (dp_a/dz_b) log p_a, since
-    the probabilities sum to one (sum_a dp_a/dz_b = 0). Then substitute step 1's dp_a/dz_b.
-    Raising the logit of an action more probable than "average" (log p_b > E log p) lowers entropy.
-    """
-    logp = torch.log_softmax(z, dim=-1)
-    p = logp.exp()
-    return -p * (logp - (p * logp).sum(-1, keepdim=True))
-
-
-def fisher_matrix(z: torch.Tensor) -> torch.Tensor:
-    """Step 3: the Fisher information of a softmax in logit space, F = diag(p) - p p^T. [..., V] -> [..., V, V]
-
-    It is the covariance of the score d log p_a / dz, and singular along the all-ones direction
-    (adding a constant to every logit changes nothing).
-    """
-    p = torch.softmax(z, dim=-1)
-    return torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)
-
-
-def policy_gradient_step(z: torch.Tensor, A: torch.Tensor, eta: float) -> torch.Tensor:
-    """Step 4: vanilla PG on J = E_p[A]: dJ/dz = p (A - E_p A) = F A, so z <- z + eta p (A - E_p A)."""
-    p = torch.softmax(z, dim=-1)
-    return z + eta * p * (A - (p * A).sum(-1, keepdim=True))
-
-
-def natural_gradient_step(z: torch.Tensor, A: torch.Tensor, eta: float) -> torch.Tensor:
-    """Step 5: NPG, z <- z + eta F^+ dJ/dz. Since dJ/dz = F A, F^+ F A = A - c 1, and the step is
-    z + eta A up to a constant that does not change p. Computed here with the pseudo-inverse so the
-    claim can be checked, not assumed.                                           [..., V] -> [..., V]
-    """
-    F = fisher_matrix(z)
-    grad = (F @ A.unsqueeze(-1)).squeeze(-1)                                # = p (A - E_p A)
-    return z + eta * (torch.linalg.pinv(F) @ grad.unsqueeze(-1)).squeeze(-1)
-
-
-def first_order_entropy_change(z: torch.Tensor, delta_z: torch.Tensor) -> torch.Tensor:
-    """Step 6: H(z + dz) - H(z) ~= <dH/dz, dz> = -Cov_{a~p}(log p_a, dz_a).           [..., V] -> [...]
-
-    Exact as a derivative: d/dt H(z + t u) at t = 0 is -Cov(log p, u). With dz = eta A (NPG) this
-    is -eta Cov(log p, A); with dz = eta p (A - E_p A) (vanilla PG) it is
-    -eta Cov(log p, p (A - E_p A)). Adding a constant to dz changes nothing (a covariance).
-    """
-    logp = torch.log_softmax(z, dim=-1)
-    p = logp.exp()
-    mean_logp = (p * logp).sum(-1, keepdim=True)
-    mean_dz = (p * delta_z).sum(-1, keepdim=True)
-    return -(p * (logp - mean_logp) * (delta_z - mean_dz)).sum(-1)
-
-
-@torch.no_grad()
-def entropy_change_prediction(logits_before: torch.Tensor, logits_after: torch.Tensor,
-                              temperature: float = 1.0, chunk_size: int = 1024):
-    """The derivation checked on real logits: predicted vs measured entropy change per position.
-
-    Given the logits at the same positions before and after an update ([N, V] or [..., V]),
-    returns (predicted, measured), each [...]:
-      predicted = -Cov_{a~p_before}(log p_before, dz),  dz = (z_after - z_before) / temperature
-      measured  = H(p_after) - H(p_before)
-    at the sampling temperature. They agree to first order; their gap is the O(dz^2) term.
-    Chunked over rows so a large vocabulary fits. bf16 logits are computed in float32, where
-    changes below ~1e-6 nats are at the rounding level; float64 logits stay float64.
-    """
-    if logits_before.shape != logits_after.shape:
-        raise ValueError(f"logits_after: shape {tuple(logits_after.shape)} does not match "
-                         f"logits_before {tuple(logits_before.shape)}")
-    V = logits_before.shape[-1]
-    before, after = logits_before.reshape(-1, V), logits_after.reshape(-1, V)
-    predicted = torch.empty(before.shape[0], dtype=torch.promote_types(before.dtype, torch.float32),
-                            device=before.device)
-    measured = torch.empty_like(predicted)
-    for start in range(0, before.shape[0], chunk_size):
-        z0 = _at_least_float32(before[start:start + chunk_size]) / temperature
-        z1 = _at_least_float32(after[start:start + chunk_size]) / temperature
-        predicted[start:start + chunk_size] = first_order_entropy_change(z0, z1 - z0)
-        measured[start:start + chunk_size] = softmax_entropy(z1) - softmax_entropy(z0)
-    shape = logits_before.shape[:-1]
-    return predicted.view(shape), measured.view(shape)
+    return dict(zip(names, values))
 
 
 if __name__ == "__main__":

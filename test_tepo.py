@@ -35,7 +35,7 @@ GSPO, GSPO-token (arXiv 2507.18071)
      one of its tokens, even those whose own ratio is inside the band.
  16. The token form logp - sg(logp) + sg(log s_i) with seq-mean-token-mean gives exactly the
      gradient (1/B) sum_i s_i A_i (1/|o_i|) sum_t d log pi_{i,t} where nothing is clipped.
-TEPO (arXiv 2510.09369; our reconstruction, tepo.py section 3.7)
+TEPO (arXiv 2510.09369; our reconstruction, tepo.py section 5.3)
  17. With an empty mask or beta = 0, TEPO is GSPO-token's ratio with token-mean; at ratio 1 its
      gradient is DAPO's (property 7).
  18. Putting s_i itself on every token (gradient through s_i) gives the same value and gradient
@@ -49,7 +49,7 @@ TEPO (arXiv 2510.09369; our reconstruction, tepo.py section 3.7)
      per masked token and nowhere else.
  23. At equal lengths TEPO (empty mask) and GSPO have the same gradient for any ratios; otherwise
      TEPO weighs sequence i by |o_i| / mean |o| relative to GSPO.
-MPO (arXiv 2602.14386; our reconstruction, tepo.py section 3.8)
+MPO (arXiv 2602.14386; our reconstruction, tepo.py section 3.4)
  24. K = 1 is the token-level clipped surrogate: GRPO with seq-mean-block-mean, DAPO with
      token-weighted, in value and gradient, on- and off-policy.
  25. K >= the longest answer: geomean with seq-mean-block-mean is GSPO exactly; joint is the full
@@ -100,7 +100,9 @@ The entropy bonus
 Besides these: one-line ValueErrors naming the bad argument and the valid choices (a NaN or inf
 where mask is 1, a mask that is not 0/1, a shape mismatch: refused by every objective), fully masked
 rows giving finite zeros, an empty batch giving exactly 0 with zero gradients, bf16 inputs staying
-close to float64, and finite values at extreme ratios.
+close to float64, and finite values at extreme ratios; and the structure of tepo.py: GRPO, DAPO and
+Dr. GRPO are PPO-clip's loss exactly, a config is checked once when it is made (not on every call),
+and every entropy is the one formula of entropy_from_logprobs.
 
 Rules followed throughout:
 * float64, gradients by torch.autograd w.r.t. ``logp``;
@@ -737,6 +739,22 @@ def test_grpo_k3_kl_term_gradient_and_metrics_match_closed_form():
     assert_close(loss, pg + beta * sum(k3) / len(k3))
 
 
+@pytest.mark.parametrize("name", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("overrides", [{}, dict(beta=0.1, dual_clip_c=3.0), dict(aggregation="seq-mean-token-sum")])
+def test_grpo_dapo_and_dr_grpo_are_presets_of_ppo_clip_loss(name, overrides):
+    """Structure: the three are PPO-clip's loss under their own names; with the same settings each gives
+    ppo_clip_loss's loss, gradient and metrics bit for bit, on- and off-policy (their own values are
+    properties 6, 7, 8 and 11)."""
+    fn = tepo.OBJECTIVES[name]
+    assert fn.__name__ == f"{name}_loss" and "Paper: arXiv" in fn.__doc__
+    for noise in (0.0, 0.4):
+        x = make_inputs(B=8, T=6, seed=16, noise=noise)
+        c = cfg(name, **overrides)
+        loss, grad, metrics = run_x(name, x, c)
+        ppo_loss, ppo_grad, ppo_metrics = run_x(tepo.ppo_clip_loss, x, c)
+        assert torch.equal(loss, ppo_loss) and torch.equal(grad, ppo_grad) and metrics == ppo_metrics
+
+
 # =============================================================================
 # 5. GSPO / GSPO-token (properties 12-16)
 # =============================================================================
@@ -1151,6 +1169,23 @@ def test_entropy_from_logits_chunked_equals_unchunked():
         assert_close(tepo.entropy_from_logits(logits, chunk_size=cs), full, atol=1e-13)
     flat = tepo.entropy_from_logits(logits.reshape(21, 13), chunk_size=4)
     assert_close(flat, full.reshape(21), atol=1e-13)
+
+
+def test_every_entropy_is_the_one_formula_of_entropy_from_logprobs():
+    """Structure: entropy_from_logprobs is -sum_v p_v log p_v (checked by hand here), and softmax_entropy,
+    entropy_from_logits, the entropy bonus and the measured change of entropy_change_prediction give
+    exactly its values."""
+    g = torch.Generator().manual_seed(32)
+    logits = torch.randn(2, 3, 9, generator=g, dtype=F64) * 2
+    H = tepo.entropy_from_logprobs(torch.log_softmax(logits / 0.7, -1))
+    exp = torch.tensor([[py_entropy(logits[b, t].tolist(), 0.7) for t in range(3)] for b in range(2)], dtype=F64)
+    assert_close(H, exp, atol=1e-12)
+    assert torch.equal(tepo.softmax_entropy(logits / 0.7), H)
+    assert torch.equal(tepo.entropy_from_logits(logits, temperature=0.7, chunk_size=2), H)
+    bonus = tepo.entropy_bonus(logits, torch.ones(2, 3), tepo.ObjectiveConfig(entropy_coef=1.0), temperature=0.7)
+    assert torch.equal(bonus, -H.mean())
+    _, measured = tepo.entropy_change_prediction(torch.zeros_like(logits), logits, temperature=0.7)
+    assert torch.equal(measured, H - tepo.softmax_entropy(torch.zeros_like(logits)))      # H(uniform) = log 9
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6, 1.5])
@@ -1944,6 +1979,26 @@ def test_an_invalid_setting_keeps_its_name_value_and_valid_values():
 # =============================================================================
 # 14. Configuration (property 45)
 # =============================================================================
+
+def test_a_config_is_checked_when_made_and_not_on_every_call(monkeypatch):
+    """Structure: ObjectiveConfig checks its settings when it is made (one-line InvalidSetting), cannot be
+    changed after, and an objective call does not check it again; a cfg that is no ObjectiveConfig is refused."""
+    with pytest.raises(tepo.InvalidSetting, match=r"^eps_low=-1 is not valid"):
+        tepo.ObjectiveConfig(eps_low=-1)
+    c = cfg("tepo")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.eps_low = -1.0
+    checks = []
+    real_check = tepo.check_config
+    monkeypatch.setattr(tepo, "check_config", lambda config: checks.append(config) or real_check(config))
+    c = cfg("tepo", beta=0.5)                                               # made: checked once
+    x = make_inputs(B=4, T=5, seed=66, noise=0.1)
+    for _ in range(3):
+        run_x("tepo", x, c)
+    assert checks == [c]
+    with pytest.raises(TypeError, match=r"^cfg: expected an ObjectiveConfig"):
+        run_x("tepo", x, dataclasses.asdict(c))
+
 
 def test_paper_defaults_cover_every_objective_and_config_for_copies():
     assert set(tepo.PAPER_DEFAULTS) == set(tepo.OBJECTIVES) == {

@@ -387,7 +387,7 @@ def bench_trl(args, cfg: tepo.ObjectiveConfig, out: str) -> dict:
 
 
 def input_check_cost(args, obj_overrides: dict, repeats: int = 30) -> dict:
-    """Median seconds of tepo's input checks (_prepare: switches, shapes, 0/1 mask, NaN / inf where
+    """Median seconds of tepo's input checks (_prepare: shapes, 0/1 mask, NaN / inf where
     mask is 1) and of the whole objective call with its backward, on one mini-batch of the bench's
     shape ([rows, max_new_tokens], float32, rows of random lengths) filled with random log-probs."""
     rows = rows_per_minibatch(args)
