@@ -72,14 +72,15 @@ from tepokit.errors import fail, os_error_line
 from tepokit.forks import eval_by_type
 from tepokit.forward import completion_logits, precision_noise_floor, rows_per_forward, token_entropy, token_logprobs
 from tepokit.measure import measure_step
-from tepokit.memory import check_memory, check_memory_on_device, peak_memory_mb, process_memory_mb, reset_peak_memory
+from tepokit.memory import (check_memory, check_memory_on_device, dry_run, peak_memory_mb, process_memory_mb,
+                            reset_peak_memory)
 from tepokit.model import eos_ids_of, load_policy, pick_device, prepare_start_model
 from tepokit.report import Trackers, trackers_of
 from tepokit.sampling import recompute_old_logprobs, sample, sampler_logprobs_wanted
 from tepokit.stats import combine_micro_batches, mean_pass_at_k
 from tepokit.stop import StopSignals, Stopped, stopped_after
 from tepokit.summary import evaluation_line, write_summary
-from tepokit.task import format_prompt, gold_answer, load_task, score_completions, task_fingerprint
+from tepokit.task import dataset_chunks, format_prompt, gold_answer, load_task, score_completions, task_fingerprint
 
 
 # =====================================================================================================
@@ -307,10 +308,10 @@ def rl_step(run: Run, step: int) -> tuple[dict, dict | None]:
     check_entropy = check_entropy and bool(plan)       # no update, no entropy change to measure
     old, rollout_stats = rollout_statistics(run, batch, adv, plan, check_entropy)   # 5. OldPolicy; dict of floats
     clock.lap("old_logprobs")
-    losses, old, seen = update_policy(run, batch, old, adv, plan) if plan else ({}, old, [])  # 6. (update_policy)
+    losses, old, seen = update_policy(run, batch, old, adv, plan) if plan else ({}, old, [])   # 6. (its docstring)
     clock.lap("update")
-    measured, details = measure_step(run, step, batch, old, adv, plan, seen, texts, records, scored,  # 7. dict, and
-                                     check_entropy)                                     # TEPO's details.jsonl row
+    measured, details = measure_step(run, step, batch, old, adv, plan, seen, texts, records, scored,   # 7. dict,
+                                     check_entropy)                                 # and TEPO's details.jsonl row
     clock.lap("measure")
     tokens = batch.completion_mask.sum().item()
     row = {"step": step, **rollout_metrics(batch, scored, keep, args), **rollout_stats, **losses, **measured,
@@ -411,17 +412,15 @@ def rollout_statistics(run: Run, batch: Rollout, adv: torch.Tensor, plan: list, 
     return old, metrics
 
 
-def update_policy(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor, plan: list) -> tuple[dict, OldPolicy,
-                                                                                               list]:
-    """One optimizer step per mini-batch of the plan, its gradient accumulated over its micro-batches.
-    Returns the losses' metrics (averaged over the optimizer steps), the old policy as the loss compared with it
-    (below), and what the loss saw: per optimizer step, per micro-batch, (rows [b], log pi [b, T], entropy [b, T]
-    or None), detached, for the measurements after the update.
+def update_policy(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor, plan: list) -> tuple:
+    """One optimizer step per mini-batch of the plan, its gradient accumulated over its micro-batches. Returns
+    the losses' metrics (averaged over the optimizer steps), the old policy the loss compared with (a copy of
+    `old`, below) and what the loss saw (per optimizer step, per micro-batch: rows [b], log pi [b, T], entropy
+    [b, T] or None; detached), for the measurements after the update.
 
-    Before the rollout's first optimizer step the policy IS the old policy. With the sampler's old log-probs
-    (which differ from the policy's forward by rounding), the first mini-batch's own forward therefore becomes the
-    old policy of its rows, so that it is exactly on-policy, and later epochs read those values: a copy of `old`
-    is updated, `old` itself stays as the rollout made it.
+    Before the first optimizer step the policy IS the old policy: the first mini-batch's own forward becomes the
+    old policy of its rows (the sampler's values differ from it by rounding), so it is exactly on-policy, and
+    later epochs read those values.
 
     The objective is told the mini-batch's token and sequence counts (num_tokens, num_seqs), so the
     micro-batch losses add up to the mini-batch's loss, gradient included (tepo.aggregate_loss).
@@ -446,10 +445,9 @@ def update_policy(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor, p
                                                                     adv, micro, counts, on_policy)
             loss.backward()
             if on_policy:
-                rows_b, logp_b, entropy_b = micro_seen
-                old_logp[rows_b] = logp_b.to(old_logp.dtype)
-                if entropy_b is not None:
-                    old_entropy[rows_b] = entropy_b.to(old_entropy.dtype)
+                old_logp[micro_seen[0]] = micro_seen[1].to(old_logp.dtype)
+                if micro_seen[2] is not None:
+                    old_entropy[micro_seen[0]] = micro_seen[2].to(old_entropy.dtype)
             parts.append((metrics, mask[micro].sum().item()))
             seen_here.append(micro_seen)
             if first is None:   # before any optimizer step: the first micro-batch must be exactly on-policy
@@ -540,12 +538,6 @@ def evaluate(model, tokenizer, test, args: Args, device) -> dict:
         row |= eval_by_type(greedy_right, right, sampled_texts, list(test["type"]), args.pass_k, list(test["answer"]),
                             list(test["cue"]) if "cue" in test.column_names else None)
     return row
-
-
-def dataset_chunks(data, n: int, size: int):
-    """The first n records of a dataset, `size` at a time."""
-    n = min(n, len(data))
-    return [data.select(range(start, min(n, start + size))) for start in range(0, n, size)]
 
 
 # =====================================================================================================
@@ -662,17 +654,10 @@ def start_run(args: Args, obj_overrides: dict) -> Run:
     return run
 
 
-def dry_run(args: Args, obj_overrides: dict) -> None:
-    """--dry-run: print the memory plan; nothing is trained or written, only a --model's config is read."""
-    args, obj_overrides = cli.run_settings(args, obj_overrides)
-    cfg = cli.objective_config(args, obj_overrides)
-    check_memory(args, None, pick_device(args), tepo.needs_ref(args.objective, cfg))
-
-
 def main(argv=None) -> int:
     args, obj_overrides = cli.parse_args(Args, argv)
     with StopSignals():           # until the RL loop takes over: a stop signal ends the program at once
-        if args.dry_run:
+        if args.dry_run:          # the memory plan alone (tepokit/memory.py)
             dry_run(args, obj_overrides)
         elif args.bench:          # our step against TRL's GRPOTrainer on the same work (tepokit/bench.py)
             bench.benchmark(args, obj_overrides, train)

@@ -235,7 +235,8 @@ def quiet(log_path: str):
 def counted_flops(args, obj_overrides: dict, train, out: str) -> dict:
     """Mean floating-point operations of each phase over the timed steps, counted by replaying the same
     run (same seed: the same rollouts) under torch's FlopCounterMode, which counts matrix products and
-    attention (elementwise work is not counted: it is not what a matmul rate measures)."""
+    attention (elementwise work is not counted: it is not what a matmul rate measures). The replay runs
+    without CUDA graphs: a replayed graph's kernels bypass the counter, which would then see only the prefill."""
     global FLOP_COUNTER
     from torch.utils.flop_counter import FlopCounterMode
     aten = torch.ops.aten       # the CPU's attention kernels are missing from torch's formulas: add them
@@ -243,7 +244,7 @@ def counted_flops(args, obj_overrides: dict, train, out: str) -> dict:
                      aten._scaled_dot_product_flash_attention_for_cpu_backward: attention_backward_flops}
     with FlopCounterMode(display=False, custom_mapping=cpu_attention) as FLOP_COUNTER, quiet(out + ".log"):
         try:
-            train(bench_args(args, out), obj_overrides)
+            train(dataclasses.replace(bench_args(args, out), cuda_graphs="off"), obj_overrides)
         finally:
             FLOP_COUNTER = None
     rows = read_log(os.path.join(out, "metrics.jsonl"))[2:]

@@ -1,9 +1,9 @@
 """Generation's decode step over a static KV cache, replayed as a CUDA graph (--cuda-graphs auto|on|off).
 
 Why: at a rollout's batch a decode step of a 0.5B model on a GPU is a few hundred small kernels, each
-launched from Python; the GPU waits for the launches, not for its memory (issue 38 measured 29 ms per
-new token where reading the weights takes 0.4 ms). A CUDA graph records the step's kernels once and
-replays them with one launch. Recording needs every shape and every address fixed: the KV cache is
+launched from Python; the GPU waits for the launches, not for its memory (docs/one-gpu.md: 21-29 ms per new
+token for Qwen2.5-0.5B's shape, where reading the weights takes 0.4 ms). A CUDA graph records the step's
+kernels once and replays them with one launch. Recording needs every shape and every address fixed: the KV cache is
 preallocated to prompt + --max-new-tokens and written in place, each step attends over all of it with the
 positions not yet written masked out, and the step reads its inputs (the new tokens [B], the position t)
 from tensors it owns. The sampling itself (tepokit/sampling.py: sample_step, temperature, multinomial,

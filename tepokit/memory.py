@@ -13,7 +13,7 @@ import torch
 
 import tepo
 from tepokit import sampling
-from tepokit.cli import objective_config
+from tepokit.cli import objective_config, run_settings
 from tepokit.entropy_check import ENTROPY_CHECK_MAX_POSITIONS, checked_rows
 from tepokit.errors import fail
 from tepokit.forward import LOGITS_CHUNK_BYTES, rows_per_forward
@@ -322,6 +322,13 @@ def check_memory(args, task, device, needs_ref: bool, in_full: bool = False) -> 
 # the model's state plus the phase and the unlisted share, as the peak is.
 LAP_PHASES = {"generation": ("generate", "reward"), "old log-probs": ("old_logprobs",), "update": ("update",),
               "entropy check": ("measure",)}      # the measurements after the update: the entropy check's peak
+
+
+def dry_run(args, obj_overrides: dict) -> None:
+    """--dry-run: print the memory plan; nothing is trained or written, only a --model's config is read."""
+    args, obj_overrides = run_settings(args, obj_overrides)
+    cfg = objective_config(args, obj_overrides)
+    check_memory(args, None, pick_device(args), tepo.needs_ref(args.objective, cfg))
 
 
 def check_memory_on_device(args, obj_overrides: dict, train) -> dict:

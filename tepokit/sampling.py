@@ -29,6 +29,8 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+import tepo
+
 from tepokit.cuda_graph import static_decoder, static_generation, warn_once
 from tepokit.forward import autocast
 from tepokit.model import eos_ids_of
@@ -75,7 +77,7 @@ def logprob_and_entropy(logits: torch.Tensor, token: torch.Tensor, temperature: 
     token [B]: each [B], in the model's precision if finer than float32 (float64 in the tests).
     tepo.token_logprobs_from_logits and tepo.entropy_from_logits in one pass over the logits."""
     logp_all = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, -1)
-    return logp_all.gather(1, token[:, None]).squeeze(1), -(logp_all.exp() * logp_all).sum(-1)
+    return logp_all.gather(1, token[:, None]).squeeze(1), tepo.entropy_from_logprobs(logp_all)
 
 
 def sample_step(logits: torch.Tensor, temperature: float, greedy: bool) -> tuple:

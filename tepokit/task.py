@@ -406,3 +406,9 @@ def task_fingerprint(task) -> str:
                 digest.update(json.dumps([split, column, list(task[split][column])]).encode())
         FINGERPRINTS[key] = digest.hexdigest()[:16]
     return FINGERPRINTS[key]
+
+
+def dataset_chunks(data, n: int, size: int):
+    """The first n records of a dataset, `size` at a time."""
+    n = min(n, len(data))
+    return [data.select(range(start, min(n, start + size))) for start in range(0, n, size)]
