@@ -16,17 +16,20 @@ Read it top to bottom:
   3. the rollout      prompts_for_step, generate_group (G completions per prompt), completion_mask
   4. the RL step      rl_step, as the list of its steps:
         1. sample prompts          a fixed, seeded order over the training split            (prompts_for_step)
-        2. generate G completions  at temperature T, each token's log-prob and entropy too  (generate_group)
+        2. generate G completions  model.generate at temperature T                          (generate_group)
         3. score them              strict `#### n` / lenient last-number parsing            (compute_rewards)
         4. advantages              tepo.group_advantages; DAPO's filter                     (compute_advantages)
-        5. old log-probs           the sampler's, or recomputed (--recompute-old-logprobs)  (rollout_statistics)
+        5. old log-probs           one no-grad forward over prompt + completion per row     (rollout_statistics)
         6. update                  one optimizer step per mini-batch, tepo.OBJECTIVES       (update_policy)
         7. measure                 after the update: entropy change, mechanisms' effects    (measure_step)
+     That is the plain path (--no-fast). Its costly operations have fast twins, tested equal and on by default
+     (--fast), pointed to where they branch off: the shared-prefix sampler (tepokit/sampling.py), the forward
+     that reads each prompt once (tepokit/forward.py), and the sampler's log-probs in step 5's place.
   5. evaluate         held-out accuracy (greedy) and pass@k
   6. the loop         train: start or resume a run, then step, evaluate, log and checkpoint
 A second built-in task, `--task hidden-type`, is made for entropy collapse: two hidden types of problem, 70/30,
 each solved by its own operator, so GRPO collapses onto the majority's (tepokit/task.py, docs/collapse.md).
-The parts a reader can skip (the command line, the built-in task and models, the sampler, memory,
+The parts a reader can skip (the command line, the built-in task and models, the fast twins, memory,
 the run directory, statistics, --compare, --bench, --engine trl) live in tepokit/, one concern per module.
 The logged metrics are defined in docs/metrics.md.
 
@@ -37,16 +40,11 @@ Simplifications, said plainly:
   - Prompts are the question followed by a newline; no chat template is applied.
   - The reference model (loaded only when tepo.needs_ref says so) is the model RL starts from.
 
-Usage:
+Usage (more examples: `python train_small.py --help`):
   python train_small.py                                   # built-in task and model, TEPO, seed 1
   python train_small.py --demo                            # the two-minute classroom run (80 steps)
-  python train_small.py --task hidden-type --objective grpo --beta 0   # entropy collapse, on a task made for it
-  python train_small.py --objective grpo --seed 2         # any key of tepo.OBJECTIVES
-  python train_small.py --objective dapo --eps-high 0.3   # any field of tepo.ObjectiveConfig
+  python train_small.py --no-fast                         # the plain path: every fast twin off
   python train_small.py --compare grpo,dapo,tepo --seeds 3  # summary.md / summary.json table
-  python train_small.py --compare grpo,tepo,tepo:beta=0 --regime collapse --seeds 5   # entries with own settings
-  python train_small.py --bench                           # our step vs TRL's GRPOTrainer
-  python train_small.py --resume runs/<name>              # continue an interrupted run
   python train_small.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --max-new-tokens 256
 
 A script, not a library: nothing imports it (the tests call main(argv) and its functions).
@@ -70,7 +68,8 @@ from tepokit.divergence import Diverged, check_finite, stops_on_divergence
 from tepokit.entropy_check import EntropyCheckPositions, checked_rows
 from tepokit.errors import fail, os_error_line
 from tepokit.forks import eval_by_type
-from tepokit.forward import completion_logits, precision_noise_floor, rows_per_forward, token_entropy, token_logprobs
+from tepokit.forward import (autocast, completion_logits, precision_noise_floor, rows_per_forward, token_entropy,
+                             token_logprobs)
 from tepokit.measure import measure_step
 from tepokit.memory import (check_memory, check_memory_on_device, dry_run, peak_memory_mb, process_memory_mb,
                             reset_peak_memory)
@@ -97,6 +96,7 @@ class Args:
     out: str | None = None              # run directory (default: runs/<task>__<objective>__<seed>__<time>)
     device: str = "auto"                # auto: cuda if available, else cpu
     threads: int = 2                    # torch CPU threads: set it to the cores this run may use
+    fast: bool = True                   # the fast twins of sampling, forward, old log-probs (--no-fast: the plain path)
     steps: int = 200                    # RL steps (one rollout each)
     save_every: int = 50                # checkpoint every N steps (and at the end)
     engine: str = "tepo"                # tepo: train_small.py's own loop; trl: TRL's GRPOTrainer with a tepo objective
@@ -133,8 +133,8 @@ class Args:
     group_size: int = 8                 # G completions per prompt
     temperature: float = 1.0            # sampling temperature (log-probs are computed at the same one)
     max_new_tokens: int = 24            # completion length limit (tokens)
-    sampler: str = "loop"               # loop: a KV-cache sampling loop for GPT-2-shaped models (generate for others)
-    cuda_graphs: str = "auto"           # static KV cache, decode step as a CUDA graph: on, off, auto (on with CUDA)
+    sampler: str = "loop"               # loop (with --fast): the shared-prefix GPT-2 sampler; generate: model.generate
+    cuda_graphs: str = "auto"           # static KV cache, CUDA-graph decode (with --fast): on, off, auto (CUDA)
     max_prompt_tokens: int = 256        # prompts longer than this are cut from the left
     reward: str = "strict"              # which parsing of the answer gives reward 1
     overlong_cache: int = 6             # DAPO soft overlong punishment: length of the penalty ramp
@@ -144,7 +144,7 @@ class Args:
     mini_batches: int = 2               # optimizer steps per rollout per epoch (>= 2 lets clipping act)
     epochs: int = 1                     # passes over each rollout
     micro_batch_size: int = 0           # rows per forward and backward (0: the whole mini-batch)
-    recompute_old_logprobs: bool | None = None  # old log-probs by a forward pass (unset: in bf16 and with generate)
+    recompute_old_logprobs: bool | None = None  # old log-probs by a forward (unset: bf16, generate, --no-fast)
     max_grad_norm: float = 1.0          # gradient clipping
     # --- measurement ---
     eval_every: int = 25                # held-out evaluation every N steps (and at step 0 and the end)
@@ -215,22 +215,32 @@ class Rollout:
 @torch.no_grad()
 def generate_group(model, tokenizer, questions: list[str], group_size: int, args: Args, device,
                    greedy: bool = False, want_logprobs: bool = False, keep_logits_rows: int = 0) -> Rollout:
-    """G completions per prompt, sampled at temperature T (tepokit/sampling.py: a KV-cache loop for
-    GPT-2-shaped models, model.generate for the others). The sampler's log-probs and entropies come
-    with the loop, and from generate only if want_logprobs."""
+    """G completions per prompt by model.generate, sampled at temperature T from softmax(z / T) (no top-k, no
+    top-p), or greedily. With --fast, its twin tepokit/sampling.py `sample`: the same tokens for the same seed,
+    and each token's log-prob and entropy (if want_logprobs) and the first rows' logits (keep_logits_rows)."""
     enc = tokenizer([format_prompt(q) for q in questions], return_tensors="pt", padding=True,
                     truncation=True, max_length=args.max_prompt_tokens)
-    out = sample(model, enc.input_ids.to(device), enc.attention_mask.to(device), group_size, args, device,
-                 greedy=greedy, keep_logits_rows=keep_logits_rows, want_logprobs=want_logprobs)
-    completion_ids = out["completion_ids"]                                          # [B, T]
+    prompt_ids, prompt_mask = enc.input_ids.to(device), enc.attention_mask.to(device)          # [U, P]
+    group_ids, group_mask = prompt_ids.repeat_interleave(group_size, 0), prompt_mask.repeat_interleave(group_size, 0)
     eos_ids = eos_ids_of(model)
+    if args.fast:    # the fast twin: each prompt read once per group, log-probs as it samples (tepokit/sampling.py)
+        out = sample(model, prompt_ids, prompt_mask, group_size, args, device, greedy=greedy,
+                     keep_logits_rows=keep_logits_rows, want_logprobs=want_logprobs)
+    else:
+        sampling = (dict(do_sample=False) if greedy         # top-k and top-p off: a model's own config may set them
+                    else dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0))
+        with autocast(device, args.precision):
+            sequences = model.generate(input_ids=group_ids, attention_mask=group_mask, eos_token_id=eos_ids,
+                                       pad_token_id=model.generation_config.pad_token_id,
+                                       max_new_tokens=args.max_new_tokens, **sampling)     # [B, P+T]
+        out = {"completion_ids": sequences[:, group_ids.shape[1]:]}
+    completion_ids = out["completion_ids"]                                          # [B, T]
     mask = completion_mask(completion_ids, eos_ids)
     ends_with_eos = torch.isin(completion_ids[:, -1], torch.tensor(eos_ids, device=device))
-    return Rollout(prompt_ids=enc.input_ids.repeat_interleave(group_size, 0).to(device),
-                   prompt_mask=enc.attention_mask.repeat_interleave(group_size, 0).to(device),
-                   completion_ids=completion_ids, completion_mask=mask, sampling_logits=out.get("logits"),
+    return Rollout(prompt_ids=group_ids, prompt_mask=group_mask, completion_ids=completion_ids, completion_mask=mask,
                    truncated=(mask.sum(1) == completion_ids.shape[1]) & ~ends_with_eos,
-                   sampling_logp=out.get("logp"), sampling_entropy=out.get("entropy"))
+                   sampling_logp=out.get("logp"), sampling_entropy=out.get("entropy"),
+                   sampling_logits=out.get("logits"))
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
@@ -363,12 +373,12 @@ def rollout_statistics(run: Run, batch: Rollout, adv: torch.Tensor, plan: list, 
     entropy check starts from) and the rollout's statistics (mean entropy, Cov(log pi, A), precision).
     Returns (OldPolicy, metrics).
 
-    By default the old log-probs and entropies are the sampler's: computed from the logits that
-    chose each token, so they need no forward pass. With --recompute-old-logprobs (the default in
-    bf16) a forward pass recomputes them with the SAME micro-batches as the update's first epoch (the
-    rows its optimizer steps will see), so the first of them is exactly on-policy whatever the
-    kernels: same rows, same shapes, same arithmetic. Rows no optimizer step sees (dropped by DAPO's
-    filter) are still needed for the rollout's entropy and covariance.
+    The old log-probs and entropies come from a no-grad forward pass of the policy, with the SAME micro-batches
+    as the update's first epoch (the rows its optimizer steps will see), so the first of them is exactly
+    on-policy whatever the kernels: same rows, same shapes, same arithmetic. Rows no optimizer step sees
+    (dropped by DAPO's filter) are still needed for the rollout's entropy and covariance. Their fast twin
+    (--fast, in fp32 with the loop sampler; tepokit/sampling.py recompute_old_logprobs says when) takes the
+    sampler's, computed from the logits that chose each token: no forward pass.
     """
     args, B = run.args, batch.completion_ids.shape[0]
     mask = batch.completion_mask                                                 # [B, T]
@@ -396,7 +406,7 @@ def rollout_statistics(run: Run, batch: Rollout, adv: torch.Tensor, plan: list, 
             entropy[rows] = token_entropy(logits, args.temperature).to(dtype)
             positions.capture(rows, logits)
             del logits                 # before the next forward allocates its own
-    else:                              # the sampler's, computed at the same temperature (update_policy replaces
+    else:                              # the twin: the sampler's, at the same temperature (update_policy replaces
         old_logp = batch.sampling_logp.to(dtype)                 # the first mini-batch's with its own forward's)
         entropy = batch.sampling_entropy.to(dtype)                               # [B, T]
         if positions.rows:
@@ -418,9 +428,9 @@ def update_policy(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor, p
     `old`, below) and what the loss saw (per optimizer step, per micro-batch: rows [b], log pi [b, T], entropy
     [b, T] or None; detached), for the measurements after the update.
 
-    Before the first optimizer step the policy IS the old policy: the first mini-batch's own forward becomes the
-    old policy of its rows (the sampler's values differ from it by rounding), so it is exactly on-policy, and
-    later epochs read those values.
+    With the sampler's old log-probs (the fast twin, rollout_statistics), which differ from the policy's forward
+    by rounding: before the first optimizer step the policy IS the old policy, so the first mini-batch's own
+    forward becomes the old policy of its rows, the step is exactly on-policy, and later epochs read those values.
 
     The objective is told the mini-batch's token and sequence counts (num_tokens, num_seqs), so the
     micro-batch losses add up to the mini-batch's loss, gradient included (tepo.aggregate_loss).
@@ -440,7 +450,7 @@ def update_policy(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor, p
         run.optimizer.zero_grad(set_to_none=True)
         parts, seen_here = [], []
         for micro in micro_batches:
-            on_policy = i == 0 and not run.recompute       # the policy's own forward is the old policy (above)
+            on_policy = i == 0 and not run.recompute       # the twin's: its own forward is the old policy (above)
             loss, metrics, log_ratio, micro_seen = micro_batch_loss(run, batch, old_logp, old_entropy, old.ref_logp,
                                                                     adv, micro, counts, on_policy)
             loss.backward()

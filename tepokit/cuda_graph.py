@@ -34,8 +34,8 @@ def warn_once(message: str) -> None:
 
 
 def static_generation(args, device_type: str) -> bool:
-    """Does the run generate over a static KV cache (and capture its decode step on a GPU)?"""
-    return args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and device_type == "cuda")
+    """Does the run generate over a static KV cache (and capture its decode step on a GPU)? Never with --no-fast."""
+    return args.fast and (args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and device_type == "cuda"))
 
 
 def static_decoder(decode, rows: int, device, capture: bool, reset=lambda: None):

@@ -1,5 +1,6 @@
 """The policy's forward pass as the RL step uses it: rows per forward (micro-batches), the logits at the
-completion positions, memory-bounded log-probs and entropy, and the bf16 noise floor."""
+completion positions (one forward per row, and its fast twin that reads each prompt once), memory-bounded
+log-probs and entropy, and the bf16 noise floor."""
 
 from __future__ import annotations
 
@@ -28,18 +29,34 @@ def autocast(device, precision: str):
 
 
 def completion_logits(model, batch, rows, args) -> torch.Tensor:
-    """Logits at the completion positions only (prompt logits are never materialised).   [b, T, V]
+    """Logits at the completion positions: one forward of prompt + completion per row.               [b, T, V]
     `batch` is a rollout (train_small.Rollout: prompt and completion ids and masks), `rows` [b] its rows.
 
     Left padding + absolute positions: position_ids = cumsum(attention_mask) - 1, exactly as
-    generate did, otherwise every log-prob is off (by up to 14 nats on GPT-2).
+    generate did, otherwise every log-prob is off (by up to 14 nats on GPT-2). Position P-1+t predicts
+    completion token t, so the logits of the last T+1 positions are kept and the last one dropped.
+    """
+    if args.fast and not args.gradient_checkpointing:     # the fast twin: each prompt once per group
+        return completion_logits_prompt_once(model, batch, rows, args)
+    rows = rows.to(batch.prompt_ids.device)
+    attn = torch.cat([batch.prompt_mask[rows], batch.completion_mask[rows]], 1)                # [b, P+T]
+    T = batch.completion_ids.shape[1]
+    with autocast(attn.device, args.precision):
+        logits = model(input_ids=torch.cat([batch.prompt_ids[rows], batch.completion_ids[rows]], 1),
+                       attention_mask=attn, position_ids=(attn.cumsum(1) - 1).clamp(min=0), logits_to_keep=T + 1,
+                       use_cache=False).logits                                             # [b, T+1, V]
+    return logits[:, :-1]
+
+
+def completion_logits_prompt_once(model, batch, rows, args) -> torch.Tensor:
+    """completion_logits' twin (--fast): the same logits, reading each prompt once per group.         [b, T, V]
 
     The G completions of a prompt share it: each distinct prompt of the rows goes through the model
     once, and every row's completion attends to its prompt's keys and values (a copy per row, through
     which the gradient flows back to the prompt's forward). The same logits and gradient as one forward
-    of prompt + completion per row (to rounding, tested in float64), for a fraction of the work:
-    the built-in task's prompts are ~65 tokens, its completions ~16. Not with gradient checkpointing,
-    under which transformers keeps no keys and values.
+    of prompt + completion per row (to rounding, tested in float64: tepokit/tests/test_forward.py), for a
+    fraction of the work: the built-in task's prompts are ~65 tokens, its completions ~16. Not with gradient
+    checkpointing, under which transformers keeps no keys and values.
     """
     rows = rows.to(batch.prompt_ids.device)
     prompt_ids, prompt_mask = batch.prompt_ids[rows], batch.prompt_mask[rows]                  # [b, P]
@@ -48,10 +65,6 @@ def completion_logits(model, batch, rows, args) -> torch.Tensor:
     attn = torch.cat([prompt_mask, completion_mask], 1)                                  # [b, P+T]
     position_ids = (attn.cumsum(1) - 1).clamp(min=0)
     with autocast(prompt_ids.device, args.precision):
-        if args.gradient_checkpointing:     # one forward per row; position P-1+t predicts completion token t
-            logits = model(input_ids=torch.cat([prompt_ids, completion_ids], 1), attention_mask=attn,
-                           position_ids=position_ids, logits_to_keep=T + 1, use_cache=False).logits
-            return logits[:, :-1]
         distinct, which = torch.unique(torch.cat([prompt_ids, prompt_mask], 1), dim=0, return_inverse=True)
         distinct_ids, distinct_mask = distinct[:, :P], distinct[:, P:]                  # [u, P] each prompt once
         prompts = model(input_ids=distinct_ids, attention_mask=distinct_mask,

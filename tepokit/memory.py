@@ -122,6 +122,7 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
     P, T = args.max_prompt_tokens, args.max_new_tokens
     S = P + T                                             # longest sequence
     ckpt = args.gradient_checkpointing
+    whole_sequences = ckpt or not args.fast      # completion_logits without its twin: a forward of each row's sequence
     loop = uses_loop(args, config)
     static = static_generation(args, device_type)          # the KV cache preallocated (tepokit/cuda_graph.py)
     static_cache = static and not loop and config.model_type in STATIC_CACHE_MODEL_TYPES
@@ -173,10 +174,10 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
 
     def forward(rows: int, nbytes: int) -> list:
         """The moments of a no-grad completion_logits on `rows` rows (each distinct prompt once, its keys and
-        values copied to its rows, then the completions; under checkpointing each row's whole sequence), then
-        its log-probs and entropy chunk by chunk. nbytes: of the logits and linear outputs."""
+        values copied to its rows, then the completions; under checkpointing or --no-fast each row's whole
+        sequence), then its log-probs and entropy chunk by chunk. nbytes: of the logits and linear outputs."""
         logits = rows * (T + 1) * V * nbytes
-        if ckpt:
+        if whole_sequences:
             return [("forward", {"one layer": rows * S * (mlp * nbytes // a + 3 * H * 4) + rows * S * S,
                                  "logits": logits}),
                     ("log-probs", {"logits and a contiguous copy": 2 * logits, "chunk temporaries":
@@ -198,8 +199,9 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
         logits = b * (T + 1) * V * a
         lm_head_grad = V * H * (4 + (2 if args.precision == "bf16" else 0))
         common = {**copies, **before}
-        # each distinct prompt of the micro-batch once (a micro-batch that splits groups meets one more)
-        prompts = min(b, math.ceil(b / args.group_size) + (b % args.group_size != 0))
+        # each distinct prompt of the micro-batch once (a micro-batch that splits groups meets one more); with
+        # --no-fast each row's own prompt
+        prompts = min(b, math.ceil(b / args.group_size) + (b % args.group_size != 0)) if args.fast else b
         # the embedding's weight gradient [V, H]; with tied weights (lm_head is the embedding) also lm_head's,
         # held until the embedding's arrives, and their sum. Without checkpointing the prompts' forward came
         # first, so its backward comes last: its activations and the logits' gradient wait for it.
@@ -216,7 +218,8 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
                                                   2 * layer(b * S, b)}),
                     embedding_backward, ("Adam's step", {**before, "foreach temporaries": 4 * N})]
         acts = {"activations": L * layer(b * T, b) + L * prompts * P * per_token}
-        return [("forward", {**common, **acts, "KV cache": L * b * S * kv * k, "logits": 2 * logits}),
+        return [("forward", {**common, **acts, "KV cache": L * b * S * kv * k if args.fast else 0,
+                             "logits": 2 * logits}),
                 ("backward through the log-probs", {**common, **acts, "logits and their gradient": 2 * logits,
                                                     "chunk temporaries": chunks(b * T, 3)}),
                 # the gradient of the slice [:, 1:] is copied to be contiguous for lm_head's backward

@@ -1,4 +1,6 @@
-"""The rollout's sampler: G completions per prompt, and each sampled token's log-prob and entropy.
+"""The rollout's fast sampler (--fast, the default): G completions per prompt, and each sampled token's log-prob
+and entropy. It is the twin of the plain path's `model.generate` (train_small.py, generate_group): the same
+tokens for the same random stream, tested in tepokit/tests/test_sampling.py and test_sampling_static.py.
 
 Two ways, the same distribution (plain softmax(z / T), no top-k, no top-p):
   - sample_gpt2: a sampling loop written out for GPT-2-shaped models (the built-in model, GPT-2 itself).
@@ -18,8 +20,8 @@ Two ways, the same distribution (plain softmax(z / T), no top-k, no top-p):
     The same tokens for the same seed (tepokit/tests/test_sampling_static.py).
 
 Why the log-probs matter: they are the behaviour policy's, computed from the very logits that chose
-each token, so the RL step needs no extra forward pass for its old log-probs (train_small.py,
-rollout_statistics; --recompute-old-logprobs brings the pass back).
+each token, so the RL step needs no extra forward pass for its old log-probs: the twin of the plain path's
+no-grad forward (train_small.py, rollout_statistics; --recompute-old-logprobs or --no-fast bring the pass back).
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ STACKED_LOGITS_MAX_BYTES = 2**30
 
 
 def uses_loop(args, config) -> bool:
-    """Does the run sample with sample_gpt2? --sampler loop (the default) and a plain GPT-2 config (what
-    sample_gpt2 computes, layer by layer; AutoModelForCausalLM makes a GPT2LMHeadModel of it)."""
-    return (args.sampler == "loop" and config.model_type == "gpt2" and config.scale_attn_weights
+    """Does the run sample with sample_gpt2? --fast and --sampler loop (the defaults) and a plain GPT-2 config
+    (what sample_gpt2 computes, layer by layer; AutoModelForCausalLM makes a GPT2LMHeadModel of it)."""
+    return (args.fast and args.sampler == "loop" and config.model_type == "gpt2" and config.scale_attn_weights
             and not config.scale_attn_by_inverse_layer_idx and not config.reorder_and_upcast_attn
             and not config.add_cross_attention)
 
@@ -56,10 +58,13 @@ def stacked_logits_bytes(args, config) -> int:
 
 
 def recompute_old_logprobs(args, config) -> bool:
-    """Are the old log-probs recomputed by a forward pass after the rollout? --recompute-old-logprobs;
-    unset: yes in bf16 (the sampler's and the training forward's log-probs then differ by bf16's rounding,
-    as much as an update changes them) and with generate (its log-probs need the logits of every step,
-    [B, T, V], which grow with the rollout); no with the loop in fp32, whose log-probs cost nothing."""
+    """Are the old log-probs recomputed by a forward pass after the rollout (the plain path), rather than the
+    sampler's (their fast twin)? Always with --no-fast; else --recompute-old-logprobs; unset: yes in bf16 (the
+    sampler's and the training forward's log-probs then differ by bf16's rounding, as much as an update changes
+    them) and with generate (its log-probs need the logits of every step, [B, T, V], which grow with the
+    rollout); no with the loop in fp32, whose log-probs cost nothing."""
+    if not args.fast:
+        return True
     if args.recompute_old_logprobs is not None:
         return args.recompute_old_logprobs
     return args.precision == "bf16" or not uses_loop(args, config)
@@ -67,9 +72,10 @@ def recompute_old_logprobs(args, config) -> bool:
 
 def sampler_logprobs_wanted(args, config) -> bool:
     """Must the sampler give log-probs and entropies? When they are the old ones, or for the sampling
-    check (--check-sampling-logprobs: sampled against recomputed) when they are cheap."""
-    return (not recompute_old_logprobs(args, config)
-            or (args.check_sampling_logprobs and stacked_logits_bytes(args, config) <= STACKED_LOGITS_MAX_BYTES))
+    check (--check-sampling-logprobs: sampled against recomputed) when they are cheap; never with --no-fast
+    (the plain path's model.generate gives tokens only)."""
+    return args.fast and (not recompute_old_logprobs(args, config) or (
+        args.check_sampling_logprobs and stacked_logits_bytes(args, config) <= STACKED_LOGITS_MAX_BYTES))
 
 
 def logprob_and_entropy(logits: torch.Tensor, token: torch.Tensor, temperature: float) -> tuple:

@@ -231,6 +231,11 @@ RELATIONS = [
     ("baseline", "one of the objectives of --compare ({compare}); without --baseline, a comparison that leaves out "
      "grpo has no paired block", lambda a: a.compare is None or a.baseline in a.compare.split(",")
      or a.baseline == type(a).baseline),
+    # --no-fast is the plain path: the switches of single fast twins may not ask for one (train_small.Args)
+    ("cuda_graphs", "auto or off with --no-fast (the plain path samples with model.generate), or drop --no-fast",
+     lambda a: a.fast or a.cuda_graphs != "on"),
+    ("recompute_old_logprobs", "on (or leave it out) with --no-fast (the plain path's old log-probs come from a "
+     "forward pass), or drop --no-fast", lambda a: a.fast or a.recompute_old_logprobs is not False),
     ("device", "auto or cpu: CUDA is not available here", lambda a: a.device != "cuda" or torch.cuda.is_available()),
     ("resume", "a run directory alone: --resume cannot be combined with --compare or --bench",
      lambda a: a.resume is None or not (a.compare or a.bench)),
@@ -329,6 +334,9 @@ def check_values(args, obj_overrides: dict, given: set[str] | None = None) -> No
     if args.engine == "trl" and obj_overrides.get("entropy_coef"):
         fail(f"argument --entropy-coef: invalid value {obj_overrides['entropy_coef']!r}; choose 0 with --engine trl "
              "(TRL's GRPOTrainer has no entropy bonus), or --engine tepo")
+    if not args.fast and args.sampler == "loop" and given is not None and "sampler" in given:   # not the default
+        fail("argument --sampler: invalid value 'loop'; choose generate with --no-fast (the plain path samples with "
+             "model.generate), or drop --no-fast")
     sizes = {"rows_per_minibatch": rows_per_minibatch(args), "builtin_task_size": builtin_task_size(args)}
     for name, valid, test in RELATIONS:
         if not test(args):

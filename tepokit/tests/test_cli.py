@@ -144,6 +144,18 @@ def test_bf16_with_the_samplers_old_logprobs_is_warned_about_in_one_line():
                           "--epochs", "2"])[1] == lines
 
 
+def test_no_fast_refuses_the_switches_that_ask_for_a_fast_twin_in_one_line():
+    """--no-fast is the plain path: a finer switch that names a twin is refused (the default --sampler loop is
+    not: it refines --fast); the same switches set to their plain value are accepted."""
+    assert_refused_in_one_line(["--no-fast", "--cuda-graphs", "on"], "--cuda-graphs", "'on'", "--no-fast")
+    assert_refused_in_one_line(["--no-fast", "--no-recompute-old-logprobs"], "--recompute-old-logprobs", "--no-fast")
+    assert_refused_in_one_line(["--no-fast", "--sampler", "loop"], "--sampler", "'loop'", "generate")
+    for accepted in (["--no-fast"], ["--no-fast", "--sampler", "generate", "--cuda-graphs", "off",
+                                     "--recompute-old-logprobs"], ["--cuda-graphs", "on", "--sampler", "loop"]):
+        assert parse_outcome(accepted) == (None, []), accepted
+    assert parse_args(ts.Args, ["--no-fast"])[0].fast is False and ts.Args().fast is True
+
+
 def test_real_processes_refuse_in_one_line_and_create_nothing(tmp_path):
     processes = [subprocess.Popen([sys.executable, SCRIPT, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True, cwd=tmp_path)      # at once: the suite waits for the slowest

@@ -1,4 +1,5 @@
-"""tepokit/forward.py: memory-bounded log-probs equal tepo.py's in value and gradient."""
+"""tepokit/forward.py: its fast twins equal the plain versions in value and gradient: the memory-bounded log-probs
+(tepo.py's), and the forward that reads each prompt once (one forward of prompt + completion per row)."""
 
 import pytest
 import torch
@@ -6,7 +7,7 @@ import torch
 import tepo
 import tepokit.forward
 import train_small as ts
-from tepokit.forward import completion_logits, token_logprobs
+from tepokit.forward import completion_logits, completion_logits_prompt_once, token_logprobs
 from tepokit.model import build_char_tokenizer
 from tepokit.tests.helpers import F64, assert_close
 
@@ -31,11 +32,12 @@ def test_chunked_token_logprobs_equal_tepo_values_and_gradients(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
-def test_prompts_read_once_per_group_give_the_logits_and_gradient_of_one_forward_per_row(arch):
-    """completion_logits reads each distinct prompt once and lets every row's completion attend to a copy
-    of its keys and values; the full path (one forward of prompt + completion per row, as under gradient
-    checkpointing) is the reference: float64, left-padded prompts shared by groups of 4, rows of different
-    lengths, a micro-batch that splits a group."""
+def test_the_prompt_once_twin_gives_the_logits_and_gradient_of_one_forward_per_row(arch):
+    """completion_logits_prompt_once (the fast twin) reads each distinct prompt once and lets every row's
+    completion attend to a copy of its keys and values; the plain completion_logits (one forward of prompt +
+    completion per row: --no-fast, or under gradient checkpointing) is the reference: float64, left-padded
+    prompts shared by groups of 4, rows of different lengths, a micro-batch that splits a group. With --fast
+    completion_logits hands over to the twin, except under gradient checkpointing."""
     from tepokit.model import build_tiny_model
     from tepokit.tests.helpers import hand_batch
     tok = build_char_tokenizer(["abc 0123456789"])
@@ -49,11 +51,15 @@ def test_prompts_read_once_per_group_give_the_logits_and_gradient_of_one_forward
     valid = batch.completion_mask[rows].bool()
     weights = torch.randn(len(rows), 6, len(tok), dtype=torch.float64)
     results = []
-    for full in (True, False):
-        logits = completion_logits(model, batch, rows, ts.Args(gradient_checkpointing=full))
+    for forward in (lambda: completion_logits(model, batch, rows, ts.Args(fast=False)),
+                    lambda: completion_logits_prompt_once(model, batch, rows, ts.Args())):
+        logits = forward()
         loss = (logits * weights * valid[..., None]).sum()
         results.append((logits.detach(), torch.autograd.grad(loss, list(model.parameters()))))
     (reference, reference_grad), (shared, shared_grad) = results
+    with torch.no_grad():       # which one completion_logits runs: the twin with --fast, bit for bit
+        assert torch.equal(completion_logits(model, batch, rows, ts.Args()), shared)
+        assert torch.equal(completion_logits(model, batch, rows, ts.Args(gradient_checkpointing=True)), reference)
     assert shared.shape == reference.shape == (8, 6, len(tok))
     assert (shared - reference).abs()[valid].max() < 1e-10
     scale = max(g.abs().max() for g in reference_grad)

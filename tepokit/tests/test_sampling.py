@@ -9,6 +9,7 @@ from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, Qwen2Con
 
 import tepo
 import train_small as ts
+from tepokit.cuda_graph import static_generation
 from tepokit.forward import completion_logits
 from tepokit.model import (START_MODEL_DIR, build_char_tokenizer, build_tiny_model, load_policy, tiny_model_config,
                            use_fused_gelu)
@@ -215,19 +216,32 @@ def test_which_models_the_loop_covers_and_when_the_old_logprobs_are_recomputed()
     assert sampler_logprobs_wanted(small, qwen)
     assert not sampler_logprobs_wanted(dataclasses.replace(small, check_sampling_logprobs=False), qwen)
     assert sampler_logprobs_wanted(dataclasses.replace(big, recompute_old_logprobs=False), qwen)   # asked for
+    # --no-fast: the plain path everywhere, whatever the finer switches say
+    plain = dataclasses.replace(args, fast=False)
+    assert not uses_loop(plain, gpt2) and recompute_old_logprobs(plain, gpt2)
+    assert not sampler_logprobs_wanted(plain, gpt2)
+    assert not sampler_logprobs_wanted(dataclasses.replace(small, fast=False), qwen)
+    assert not static_generation(dataclasses.replace(plain, cuda_graphs="on"), "cuda")
 
 
-def test_generate_group_uses_the_loop_or_generate_with_the_same_result():
+def test_generate_group_plain_and_its_twins_give_the_same_rollout():
+    """generate_group's plain path (--no-fast: model.generate, tokens only) and its fast twins (--sampler loop,
+    the shared-prefix sampler; --sampler generate, generate with its stacked logits) draw the same rollout from
+    the same seed; the two twins also give the same log-probs, entropies and kept logits."""
     model, tok, _, _ = tiny()
     args = ts.Args(temperature=0.8, max_new_tokens=10, check_sampling_logprobs=True)
     out = {}
-    for sampler in ("loop", "generate"):
+    for name, settings in (("loop", dict(sampler="loop")), ("generate", dict(sampler="generate")),
+                           ("plain", dict(fast=False))):
         torch.manual_seed(3)
-        out[sampler] = ts.generate_group(model, tok, QUESTIONS, 3, dataclasses.replace(args, sampler=sampler),
-                                         torch.device("cpu"), want_logprobs=True, keep_logits_rows=4)
-    loop, generate = out["loop"], out["generate"]
+        out[name] = ts.generate_group(model, tok, QUESTIONS, 3, dataclasses.replace(args, **settings),
+                                      torch.device("cpu"), want_logprobs=True, keep_logits_rows=4)
+    loop, generate, plain = out["loop"], out["generate"], out["plain"]
+    assert plain.sampling_logp is None and plain.sampling_logits is None      # the plain path: tokens only
+    assert len(set(loop.completion_mask.sum(1).tolist())) > 1                 # rows end at different lengths
     for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated"):
         assert torch.equal(getattr(loop, key), getattr(generate, key)), key
+        assert torch.equal(getattr(loop, key), getattr(plain, key)), key
     mask = loop.completion_mask.bool()
     for key in ("sampling_logp", "sampling_entropy"):        # after a row's end: not used, and not compared
         assert (getattr(loop, key) - getattr(generate, key)).abs()[mask].max() < 1e-5, key

@@ -1,5 +1,6 @@
 """train_small.py: the rollout, the RL step and the loop, end to end on micro configurations (CPU, no network)."""
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -27,7 +28,7 @@ def test_end_token_is_in_loss_mask_when_pad_equals_eos():
     assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
 
 
-def test_recomputed_logprobs_equal_sampling_logprobs():
+def test_the_samplers_logprobs_twin_equals_the_recomputed_old_logprobs():
     """Left padding (prompts of different lengths), pad == eos, temperature != 1: the sampler's log-probs
     and entropies equal a recomputation; with either as the old log-probs, the first mini-batch is
     exactly on-policy and ends with the same old log-probs."""
@@ -75,9 +76,11 @@ EPOCH_QUESTIONS = ["Ann has 3 pens. How many?", "a?", "Bob has 12 cups and 7 mor
 
 @pytest.mark.parametrize("objective, overrides", [
     ("grpo", dict(beta=0.0)), ("tepo", dict(entropy_criterion="measured", eps_low=0.05, eps_high=0.05))])
-def test_the_samplers_old_logprobs_make_the_recomputed_update_over_epochs_and_micro_batches(objective, overrides):
+def test_the_fast_twins_make_the_plain_paths_update_over_epochs_and_micro_batches(objective, overrides):
     """2 epochs x 4 mini-batches of 2 groups of 3 rows, micro-batches of 4 rows (a group split across two),
-    float64: the sampler's old log-probs and entropies make the same 8 optimizer steps as recomputed ones.
+    float64: the fast twins (the sampler's old log-probs and entropies, the forward that reads each prompt once)
+    make the same 8 optimizer steps as the plain path (--no-fast: old log-probs by a no-grad forward, one forward
+    of prompt + completion per row).
 
     The first mini-batch's rows take the policy's own forward (micro_batch_loss), and epoch 2 must reuse
     those values. In float64 the sampler already equals the forward to ~1e-15, so neither a dropped nor a
@@ -106,9 +109,10 @@ def test_the_samplers_old_logprobs_make_the_recomputed_update_over_epochs_and_mi
     batch.sampling_logp = batch.sampling_logp + noise
     batch.sampling_entropy = batch.sampling_entropy + noise
     results = {}
-    for recompute in (True, False):
+    for recompute in (True, False):       # True: the plain path; False: the fast twins
         model = copy.deepcopy(base)
-        run = micro_run(model, tok, args, objective, recompute=recompute, **overrides)
+        run = micro_run(model, tok, dataclasses.replace(args, fast=not recompute), objective, recompute=recompute,
+                        **overrides)
         run.optimizer = torch.optim.SGD(model.parameters(), lr=0.5)   # a step proportional to the gradient
         old, _ = ts.rollout_statistics(run, batch, adv, plan, check_entropy=False)
         metrics, old, _ = ts.update_policy(run, batch, old, adv, plan)
@@ -159,14 +163,23 @@ def test_two_steps_of_every_objective(objective, workdir):
     assert os.path.exists(os.path.join(out, "checkpoint.pt"))
 
 
-def test_some_micro_step_really_updates(workdir):
-    """The micro warm-up gives mixed rewards, so the update path (not just the skip) is exercised."""
-    out = "runs/e2e_update"
-    run_main([*MICRO, "--objective", "grpo", "--steps", "3", "--out", out, "--no-dynamic-sampling"])
-    rows = read_rows(out)[1:]
+def test_some_micro_step_really_updates_and_the_plain_path_agrees_to_rounding(workdir):
+    """The micro warm-up gives mixed rewards, so the update path (not just the skip) is exercised. The same run
+    on the plain path (--no-fast: model.generate, one forward per row, old log-probs by a forward) draws the same
+    completions and trains the same to rounding."""
+    command = [*MICRO, "--objective", "grpo", "--steps", "3", "--no-dynamic-sampling"]
+    run_main([*command, "--out", "runs/e2e_update"])
+    run_main([*command, "--no-fast", "--out", "runs/e2e_update_plain"])
+    rows, plain = read_rows("runs/e2e_update")[1:], read_rows("runs/e2e_update_plain")[1:]
     assert any(r["reward_std"] > 0 for r in rows)
     assert all("loss" in r for r in rows)
     assert any(r["on_policy"] < 1 for r in rows)   # 2 mini-batches: after a real update the second is off-policy
+    for fast, slow in zip(rows, plain):
+        assert fast["reward"] == slow["reward"] and fast["completions/mean_length"] == slow["completions/mean_length"]
+        for key in ("loss", "entropy", "cov/logp_adv", "grad_norm"):
+            assert slow[key] == pytest.approx(fast[key], rel=1e-4, abs=1e-6), key
+        assert slow["logprobs/first_minibatch_max_abs_log_ratio"] == 0.0     # recomputed: exactly on-policy
+        assert 0.0 < fast["logprobs/first_minibatch_max_abs_log_ratio"] < 1e-5   # the sampler's, to rounding
 
 
 def test_resume_reproduces_the_uninterrupted_run(workdir):
