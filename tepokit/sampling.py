@@ -322,8 +322,9 @@ def sample_static_cache(model, prompt_ids, prompt_mask, group_size: int, max_new
 
 def sample(model, prompt_ids, prompt_mask, group_size: int, args, device, greedy: bool = False,
            keep_logits_rows: int = 0, want_logprobs: bool = False) -> dict:
-    """The rollout's completions (sample_gpt2 when the model is GPT-2-shaped, else sample_generate, or with
-    --cuda-graphs their static-cache forms), under the run's precision. The result's tensors are sample_gpt2's."""
+    """The rollout's completions, the fast twin of generate_group's model.generate (train_small.py, --fast):
+    sample_gpt2 when the model is GPT-2-shaped, else sample_generate, or with --cuda-graphs their static-cache
+    forms, under the run's precision. The result's tensors are sample_gpt2's."""
     settings = dict(group_size=group_size, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                     eos_ids=eos_ids_of(model), pad_id=model.generation_config.pad_token_id, greedy=greedy,
                     keep_logits_rows=keep_logits_rows)
