@@ -99,7 +99,10 @@ LABELS |= {"grpo_beta=0": "GRPO, beta = 0",
            "clip_cov_clip_cov_ratio=0.01": "Clip-Cov, ratio 0.01", "kl_cov_kl_cov_ratio=0.1": "KL-Cov, ratio 0.1",
            # the hidden-type comparison (entropy_collapse.ipynb): its baseline is GRPO without a KL term
            "grpo_beta=0_eps_high=0.28": "clip-higher 0.28", "grpo_beta=0_entropy_coef=0.1": "entropy bonus 0.1",
-           "grpo_beta=0_entropy_coef=1.0": "entropy bonus 1.0"}
+           "grpo_beta=0_entropy_coef=1.0": "entropy bonus 1.0",
+           # each remedy's control: its entry with the mechanism switched off (docs/collapse.md)
+           "clip_cov_clip_cov_ratio=0": "Clip-Cov, ratio 0 (control)",
+           "kl_cov_kl_cov_ratio=0.1_beta=0": "KL-Cov, beta = 0 (control)"}
 COLORS |= {"grpo_beta=0": plt.cm.tab20.colors[1], "tepo_entropy_criterion=measured": plt.cm.tab20.colors[9],
            "dapo_dynamic_sampling=off": plt.cm.tab20.colors[5],
            "clip_cov_clip_cov_ratio=0.01": COLORS["clip_cov"], "kl_cov_kl_cov_ratio=0.1": COLORS["kl_cov"]}
@@ -166,7 +169,8 @@ def describe(run: dict) -> str:
 # it (the --out of its command in logs/COMMANDS.md). The notebooks ask for them by these plain names.
 COMPARISONS = {"standard": "standard_regime_2026-11-24", "collapse": "collapse_regime_2026-11-24",
                "epochs4": "epochs4_2026-11-24", "hidden_type": "hidden_type_2026-11-25",
-               "off_policy": "hidden_type_off_policy_2026-11-26", "cue": "hidden_type_cue_2026-11-26"}
+               "off_policy": "hidden_type_off_policy_2026-11-26", "cue": "hidden_type_cue_2026-11-26",
+               "cue_400": "hidden_type_cue_400_2026-11-26"}
 
 
 def comparison_dir(name: str) -> Path:
