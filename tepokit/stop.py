@@ -1,5 +1,5 @@
 """Stopping cleanly: Ctrl-C (SIGINT), SIGTERM (kill, timeout, Slurm, job schedulers) and SIGHUP (a closed
-terminal or SSH session) all finish the current RL step, checkpoint it and exit with 128 + the signal.
+terminal or SSH connection) all finish the current RL step, checkpoint it and exit with 128 + the signal.
 
 As PyTorch Lightning does, the handler only records the signal; the loop looks at it at its next safe
 point (after a step is logged), so no file is written inside a signal handler. A signal during a run's
