@@ -285,6 +285,7 @@ class Run:
     recompute: bool                     # old log-probs by a forward pass (sampling.recompute_old_logprobs)
     sampler_logprobs: bool              # the sampler gives log-probs (sampling.sampler_logprobs_wanted)
     trackers: Trackers                  # --report-to: every metrics.jsonl row also goes there, live
+    clock: object = PhaseClock          # makes each step's clock (--bench and the memory check give their own)
 
 
 @dataclass
@@ -300,7 +301,7 @@ class OldPolicy:
 def rl_step(run: Run, step: int) -> tuple[dict, dict | None]:
     """One RL step, the seven steps of the module docstring. B = --prompts-per-step x --group-size rows.
     Returns its metrics row (one flat dict of numbers, docs/metrics.md) and, for TEPO, its details row."""
-    args, clock = run.args, PhaseClock()        # seconds (and, under --bench, FLOPs) of each phase
+    args, clock = run.args, run.clock()         # seconds (and, under --bench, FLOPs) of each phase
     check_entropy = step % args.entropy_check_every == 0                # 7. runs on this step
     records = run.train_set.select(prompts_for_step(step, len(run.train_set), args))  # 1. a Dataset: question, answer
     batch = generate_group(run.model, run.tokenizer, list(records["question"]), args.group_size, args,  # 2. Rollout
@@ -554,12 +555,12 @@ def evaluate(model, tokenizer, test, args: Args, device) -> dict:
 # 6. The loop: start or resume a run, step, evaluate, log, checkpoint
 # =====================================================================================================
 
-def train(args: Args, obj_overrides: dict) -> dict:
+def train(args: Args, obj_overrides: dict, clock=PhaseClock) -> dict:
     """One RL run: start (or resume) it, then step, evaluate, log and checkpoint; the summary at the end.
     A stop signal (Ctrl-C, SIGTERM, SIGHUP) finishes the step, checkpoints it and exits (tepokit/stop.py); a step
     that diverges ends the run before it is saved (tepokit/divergence.py)."""
     t_start = time.time()
-    run = start_run(args, obj_overrides)
+    run = start_run(args, obj_overrides, clock)
     args = run.args                    # with --resume: the saved settings, which start_run read
     last_step = args.steps if args.stop_after is None else min(args.steps, args.stop_after)
     bar = tqdm(range(run.first_step, last_step + 1), initial=run.first_step - 1, total=last_step,
@@ -607,7 +608,7 @@ def train(args: Args, obj_overrides: dict) -> dict:
     return summary
 
 
-def start_run(args: Args, obj_overrides: dict) -> Run:
+def start_run(args: Args, obj_overrides: dict, clock=PhaseClock) -> Run:
     """Load the task and the models, then either resume from the run directory's checkpoint or start
     afresh: config.json, empty logs, the starting model's evaluation (step 0) and checkpoint 0.
     The run directory is locked (claimed) once everything has loaded and before anything in it changes:
@@ -638,7 +639,7 @@ def start_run(args: Args, obj_overrides: dict) -> Run:
               train_set=task["train"], test_set=task["test"].select(range(min(args.n_test, len(task["test"])))),
               first_step=1, details_path=os.path.join(run_dir, "details.jsonl") if args.objective == "tepo" else None,
               recompute=recompute_old_logprobs(args, model.config),
-              sampler_logprobs=sampler_logprobs_wanted(args, model.config),
+              sampler_logprobs=sampler_logprobs_wanted(args, model.config), clock=clock,
               trackers=Trackers(trackers_of(args.report_to), run_dir,
                                 {**dataclasses.asdict(args), **dataclasses.asdict(cfg)}))
     logs = [p for p in (os.path.join(run_dir, "metrics.jsonl"), run.details_path) if p is not None]

@@ -24,11 +24,6 @@ from tepokit.rundir import read_log, save_pretrained_atomically, write_json
 from tepokit.stop import Stopped
 from tepokit.task import format_prompt, gold_answer, load_task, parse_strict
 
-# --bench's FLOP-counting run sets this to an active torch.utils.flop_counter.FlopCounterMode.
-FLOP_COUNTER = None
-# --check-memory-on-device (tepokit/memory.py) sets this to the run's device: each lap then logs the peak
-# memory of its phase (memory/peak_mb/<phase>) and starts the count afresh.
-PEAK_DEVICE = None
 
 
 def wait_for_the_gpu() -> None:
@@ -39,36 +34,38 @@ def wait_for_the_gpu() -> None:
 
 
 class PhaseClock:
-    """Seconds of each phase of an RL step, and its FLOPs when --bench counts them (FLOP_COUNTER).
-    clock.lap(name) ends the phase `name`; clock.row() gives timing/<name> (flops/<name>) and step_time.
-    On a GPU each lap waits for the phase's kernels (wait_for_the_gpu)."""
+    """Seconds of each phase of an RL step; its FLOPs when given the --bench's FlopCounterMode (flop_counter),
+    and each phase's peak memory when given the device (peak_device, --check-memory-on-device: the count starts
+    afresh at each lap). clock.lap(name) ends the phase `name`; clock.row() gives timing/<name> (flops/<name>,
+    memory/peak_mb/<name>) and step_time. On a GPU each lap waits for the phase's kernels (wait_for_the_gpu).
+    train_small.train makes one per step with the maker it is given (the plain PhaseClock by default)."""
 
-    def __init__(self):
+    def __init__(self, flop_counter=None, peak_device=None):
         wait_for_the_gpu()
-        if PEAK_DEVICE is not None:       # what came before the step (an evaluation) is not its phases'
-            reset_peak_memory(PEAK_DEVICE)
+        self.flop_counter, self.peak_device = flop_counter, peak_device
+        if peak_device is not None:       # what came before the step (an evaluation) is not its phases'
+            reset_peak_memory(peak_device)
         self.start = self.last = time.time()
         self.flops = self.flops_total()
         self.seconds, self.counted, self.peaks = {}, {}, {}
 
-    @staticmethod
-    def flops_total() -> int:
-        return FLOP_COUNTER.get_total_flops() if FLOP_COUNTER is not None else 0
+    def flops_total(self) -> int:
+        return self.flop_counter.get_total_flops() if self.flop_counter is not None else 0
 
     def lap(self, name: str) -> None:
         wait_for_the_gpu()
         now, flops = time.time(), self.flops_total()
         self.seconds[name], self.counted[name] = now - self.last, flops - self.flops
         self.last, self.flops = now, flops
-        if PEAK_DEVICE is not None:
-            self.peaks[name] = peak_memory_mb(PEAK_DEVICE)
-            reset_peak_memory(PEAK_DEVICE)
+        if self.peak_device is not None:
+            self.peaks[name] = peak_memory_mb(self.peak_device)
+            reset_peak_memory(self.peak_device)
 
     def total(self) -> float:
         return self.last - self.start
 
     def row(self) -> dict:
-        flops = {f"flops/{k}": v for k, v in self.counted.items()} if FLOP_COUNTER is not None else {}
+        flops = {f"flops/{k}": v for k, v in self.counted.items()} if self.flop_counter is not None else {}
         return {**{f"timing/{k}": v for k, v in self.seconds.items()}, "step_time": self.total(), **flops,
                 **{f"memory/peak_mb/{k}": v for k, v in self.peaks.items()}}
 
@@ -237,16 +234,13 @@ def counted_flops(args, obj_overrides: dict, train, out: str) -> dict:
     run (same seed: the same rollouts) under torch's FlopCounterMode, which counts matrix products and
     attention (elementwise work is not counted: it is not what a matmul rate measures). The replay runs
     without CUDA graphs: a replayed graph's kernels bypass the counter, which would then see only the prefill."""
-    global FLOP_COUNTER
     from torch.utils.flop_counter import FlopCounterMode
     aten = torch.ops.aten       # the CPU's attention kernels are missing from torch's formulas: add them
     cpu_attention = {aten._scaled_dot_product_flash_attention_for_cpu: attention_flops,
                      aten._scaled_dot_product_flash_attention_for_cpu_backward: attention_backward_flops}
-    with FlopCounterMode(display=False, custom_mapping=cpu_attention) as FLOP_COUNTER, quiet(out + ".log"):
-        try:
-            train(dataclasses.replace(bench_args(args, out), cuda_graphs="off"), obj_overrides)
-        finally:
-            FLOP_COUNTER = None
+    with FlopCounterMode(display=False, custom_mapping=cpu_attention) as counter, quiet(out + ".log"):
+        train(dataclasses.replace(bench_args(args, out), cuda_graphs="off"), obj_overrides,
+              clock=lambda: PhaseClock(flop_counter=counter))
     rows = read_log(os.path.join(out, "metrics.jsonl"))[2:]
     return {p: sum(r[f"flops/{p}"] for r in rows) / len(rows) for p in PHASES}
 

@@ -364,15 +364,15 @@ def check_memory_on_device(args, obj_overrides: dict, train) -> dict:
           f"{args.group_size} completions of {args.max_new_tokens} tokens, every row trained; the run's console in "
           f"{out}/run.log", flush=True)
     # the sampler and the completion mask look the end tokens up by this name (train_small.py's from train's)
-    patched = ((sampling.__dict__, "eos_ids_of", no_end_tokens), (train.__globals__, "eos_ids_of", no_end_tokens),
-               (bench.__dict__, "PEAK_DEVICE", device))
+    patched = ((sampling.__dict__, "eos_ids_of", no_end_tokens), (train.__globals__, "eos_ids_of", no_end_tokens))
     saved = [namespace[name] for namespace, name, _ in patched]
     try:
         for namespace, name, value in patched:
             namespace[name] = value
         os.makedirs(out, exist_ok=True)
         with bench.quiet(os.path.join(out, "run.log")):
-            train(worst, {**obj_overrides, "dynamic_sampling": False})
+            train(worst, {**obj_overrides, "dynamic_sampling": False},                # each phase's peak memory
+                  clock=lambda: bench.PhaseClock(peak_device=device))
     finally:
         for (namespace, name, _), value in zip(patched, saved):
             namespace[name] = value

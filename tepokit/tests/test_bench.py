@@ -56,15 +56,11 @@ def test_the_phase_clock_gives_each_phase_its_seconds_and_its_flops():
     from torch.utils.flop_counter import FlopCounterMode
     a = torch.randn(64, 32)
     with FlopCounterMode(display=False) as counter:
-        bench.FLOP_COUNTER = counter
-        try:
-            clock = bench.PhaseClock()
-            a @ a.T
-            clock.lap("product")
-            clock.lap("nothing")
-            row = clock.row()
-        finally:
-            bench.FLOP_COUNTER = None
+        clock = bench.PhaseClock(flop_counter=counter)
+        a @ a.T
+        clock.lap("product")
+        clock.lap("nothing")
+        row = clock.row()
     assert row["flops/product"] == 2 * 64 * 32 * 64 and row["flops/nothing"] == 0
     assert row["step_time"] == pytest.approx(row["timing/product"] + row["timing/nothing"])
     assert "flops/product" not in bench.PhaseClock().row()          # not counting: seconds only
