@@ -55,6 +55,11 @@ def strategy_of(text: str) -> str | None:
     return found[1] if found else None
 
 
+def each_solved_by_either(answers: list[str] | None, n: int) -> list[bool]:
+    """solved_by_either of each of n problems, from their right worked answers; none when those are not known."""
+    return [solved_by_either(a) for a in answers] if answers is not None else [False] * n
+
+
 def solved_by_either(answer: str) -> bool:
     """Does either operator solve this hidden-type problem? Only 2 and 2 (2+2 = 2*2): a right answer there says
     nothing about which type the policy chose, so the per-type results leave such problems out."""
@@ -109,7 +114,7 @@ def rollout_fork_metrics(texts: list[str], types: list[str] | None, entropy: tor
                                                        at_fork.bool()).item()}
     if cues is not None:
         row["forks/cue_share"] = sum(s == c for s, c in zip(strategies, cues)) / len(strategies)
-    either = [solved_by_either(a) for a in answers] if answers is not None else [False] * len(types)
+    either = each_solved_by_either(answers, len(types))
     for kind in HIDDEN_TYPES:
         rows = [i for i, t in enumerate(types) if t == kind and not either[i]]
         if rows:
@@ -124,7 +129,7 @@ def eval_by_type(greedy: torch.Tensor, right: torch.Tensor, sampled_texts: list[
     worked answers: the problems either operator solves are left out of each type's results and counted
     (eval/solved_by_either). cues [N] (the cue variant): eval/cue_share, the share of the samples that chose the
     type the cue points to."""
-    either = [solved_by_either(a) for a in answers] if answers is not None else [False] * len(types)
+    either = each_solved_by_either(answers, len(types))
     row = {"eval/format": valid_format(sampled_texts).mean().item(), "eval/solved_by_either": float(sum(either))}
     if cues is not None:
         chosen = [strategy_of(t) for t in sampled_texts]                    # K samples of each problem in turn
