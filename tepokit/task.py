@@ -277,8 +277,9 @@ def read_json_task(path: str) -> list[dict]:
             fail(f"dataset {path}, line {e.lineno}: not valid JSON ({e.msg}, column {e.colno}); a .json data set "
                  f"is one JSON array of objects with {FIELDS}")
         rows = [check_row(row, f"dataset {path}, row {number}") for number, row in enumerate(array, 1)]
-    elif path.endswith(".json") and text.lstrip().startswith("{") and "\n" in text.strip() and whole_object(text):
-        fail(f"dataset {path}: holds one JSON object (keys: {', '.join(list(whole_object(text))[:5])}); a .json data "
+    elif path.endswith(".json") and text.lstrip().startswith("{") and "\n" in text.strip() and (
+            one_object := whole_object(text)):
+        fail(f"dataset {path}: holds one JSON object (keys: {', '.join(list(one_object)[:5])}); a .json data "
              f"set is a JSON array of objects, or one object per line, with {FIELDS}")
     else:
         rows = []
