@@ -177,23 +177,31 @@ def test_every_figure_names_its_run_and_speaks_in_plain_words(tmp_path, close_fi
         assert texts and not [t for t in texts if metric_key.search(t)], (name, texts)
 
 
-def test_held_out_points_carry_95_percent_wald_bars_over_the_logged_number_of_problems(tmp_path, close_figures):
-    """Greedy accuracy over n_test problems, pass@k and mean@k over min(pass_k_problems, n_test): each bar's
-    half-width is 1.96 sqrt(p(1-p)/n) of the logged p."""
-    run_dir = synthetic_run(tmp_path / "run")
+def held_out_bars(run_dir, greedy_problems: int, sampled_problems: int):
+    """The held-out panel's error bars, each checked against 1.96 sqrt(p(1-p)/n) of the logged p, n being
+    greedy_problems for greedy accuracy and sampled_problems for pass@4 and mean@4. Returns the figure and, per
+    key, (its legend label, the logged steps, the bar's container)."""
     run = plot.read_run(run_dir)
     figure, _ = drawn(run_dir)["accuracy_reward.png"]
     held = next(ax for ax in figure.axes if ax.get_title() == "Held-out accuracy")
-    checked = set()
+    bars = {}
     for container, label in zip(held.containers, held.get_legend_handles_labels()[1]):
-        key_, n = (("eval/accuracy", 300) if label.startswith("greedy") else
-                   ("eval/pass@4", 50) if "pass@4" in label else ("eval/mean@4", 50))
+        key_, n = (("eval/accuracy", greedy_problems) if label.startswith("greedy") else
+                   ("eval/pass@4", sampled_problems) if "pass@4" in label else ("eval/mean@4", sampled_problems))
         steps, p = plot.series(run, key_)
         bottom_top = np.array([segment[:, 1] for segment in container.lines[2][0].get_segments()])
         assert np.allclose((bottom_top[:, 1] - bottom_top[:, 0]) / 2, 1.96 * np.sqrt(p * (1 - p) / n))
+        bars[key_] = (label, steps, container)
+    return figure, bars
+
+
+def test_held_out_points_carry_95_percent_wald_bars_over_the_logged_number_of_problems(tmp_path, close_figures):
+    """Greedy accuracy over n_test problems, pass@k and mean@k over min(pass_k_problems, n_test): each bar's
+    half-width is 1.96 sqrt(p(1-p)/n) of the logged p."""
+    figure, bars = held_out_bars(synthetic_run(tmp_path / "run"), 300, 50)
+    for _, steps, container in bars.values():
         assert list(container.lines[0].get_xdata()) == list(steps)
-        checked.add(key_)
-    assert checked == {"eval/accuracy", "eval/pass@4", "eval/mean@4"}
+    assert set(bars) == {"eval/accuracy", "eval/pass@4", "eval/mean@4"}
     assert any("95%" in text for text in legend_texts(figure))
 
 
@@ -205,16 +213,10 @@ def test_the_bars_count_the_problems_each_evaluation_logged(tmp_path, close_figu
     with open(run_dir / "metrics.jsonl", "w") as f:
         f.writelines(json.dumps(r | ({"eval/problems": 30, "eval/pass_k_problems": 20} if "eval/accuracy" in r
                                     else {})) + "\n" for r in rows)
-    run = plot.read_run(run_dir)
-    figure, _ = drawn(run_dir)["accuracy_reward.png"]
-    held = next(ax for ax in figure.axes if ax.get_title() == "Held-out accuracy")
-    for container, label in zip(held.containers, held.get_legend_handles_labels()[1]):
-        key_, n = (("eval/accuracy", 30) if label.startswith("greedy") else
-                   ("eval/pass@4", 20) if "pass@4" in label else ("eval/mean@4", 20))
-        _, p = plot.series(run, key_)
-        bottom_top = np.array([segment[:, 1] for segment in container.lines[2][0].get_segments()])
-        assert np.allclose((bottom_top[:, 1] - bottom_top[:, 0]) / 2, 1.96 * np.sqrt(p * (1 - p) / n))
-        assert f", {n} problems" in label
+    _, bars = held_out_bars(run_dir, 30, 20)
+    assert set(bars) == {"eval/accuracy", "eval/pass@4", "eval/mean@4"}
+    for key_, (label, _, _) in bars.items():
+        assert f", {30 if key_ == 'eval/accuracy' else 20} problems" in label
 
 
 @pytest.mark.parametrize("reward_is_strict, expected", [
