@@ -50,6 +50,10 @@ def compare_objectives(args, obj_overrides: dict, train) -> None:
                                     "that step was saved; start the comparison again with a lower --lr and another "
                                     "--out")
                 raise
+    if args.stop_after is not None and args.stop_after < args.steps:    # stopped on purpose: nothing to summarise yet
+        print(f"--compare stopped after step {args.stop_after} of {args.steps} in {len(run_dirs)} runs, as "
+              f"--stop-after asked; go on with: {command_line(args, obj_overrides, out=out, stop_after=None)}")
+        return
     table, paired = objective_means(results, args), paired_differences(results, args)
     write_json(os.path.join(out, "summary.json"), {"seeds": seeds, "baseline": args.baseline,
                                                    "target_accuracy": args.target_accuracy, "objectives": table,
