@@ -69,7 +69,7 @@ from tepokit.entropy_check import EntropyCheckPositions
 from tepokit.errors import fail, os_error_line
 from tepokit.forks import eval_by_type
 from tepokit.forward import autocast, completion_logits, precision_noise_floor, token_entropy, token_logprobs
-from tepokit.measure import measure_step
+from tepokit.measure import measure_step, rollout_metrics
 from tepokit.memory import (check_memory, check_memory_on_device, dry_run, peak_memory_mb, process_memory_mb,
                             reset_peak_memory)
 from tepokit.model import eos_ids_of, load_policy, pick_device, prepare_start_model
@@ -324,7 +324,7 @@ def rl_step(run: Run, step: int) -> tuple[dict, dict | None]:
                                      check_entropy)                                 # and TEPO's details.jsonl row
     clock.lap("measure")
     tokens = batch.completion_mask.sum().item()
-    row = {"step": step, **rollout_metrics(batch, scored, keep, args), **rollout_stats, **losses, **measured,
+    row = {"step": step, **rollout_metrics(batch, scored, keep, args.group_size), **rollout_stats, **losses, **measured,
            **clock.row(), "perf/tokens_per_second": tokens / clock.total()}
     return row, details
 
@@ -502,18 +502,6 @@ def micro_batch_loss(run: Run, batch: Rollout, old_logp: torch.Tensor, old_entro
                                   old_entropy=old_entropy if needs_entropy else None, **counts)
     loss = loss + tepo.entropy_bonus(logits, mask, cfg, settings.temperature, **counts)   # 0 unless --entropy-coef
     return loss, metrics, log_ratio, (idx, logp.detach(), entropy.detach() if entropy is not None else None)
-
-
-def rollout_metrics(batch: Rollout, scored: dict, keep: torch.Tensor, args: Args) -> dict:
-    """What the rollout looked like: rewards, accuracy, groups kept, lengths."""
-    mask, rewards = batch.completion_mask, scored["rewards"]
-    return {"reward": rewards.mean().item(), "reward_std": rewards.std().item(),
-            "accuracy/strict": scored["strict"].mean().item(), "accuracy/lenient": scored["lenient"].mean().item(),
-            "frac_reward_zero_std": 1 - tepo.dynamic_sampling_mask(rewards, args.group_size).float().mean().item(),
-            "dynamic_sampling/kept_frac": keep.float().mean().item(),
-            "dynamic_sampling/skipped": float(not keep.any()),
-            "completions/mean_length": mask.sum(1).float().mean().item(),
-            "completions/clipped_ratio": batch.truncated.float().mean().item()}
 
 
 # =====================================================================================================

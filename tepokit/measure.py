@@ -1,4 +1,5 @@
-"""What an RL step did, measured after its update and outside it (train_small.py, step 7 of rl_step):
+"""What an RL step did, measured outside it (train_small.py, rl_step): what its rollout looked like (rewards,
+accuracy, the groups DAPO's filter kept, the completions' lengths: rollout_metrics), and after its update (step 7):
 
   - the entropy change of the update, predicted against measured (tepokit/entropy_check.py);
   - what each mechanism of the objective did to the update (tepokit/mechanisms.py);
@@ -12,6 +13,7 @@ them switched off."""
 
 from __future__ import annotations
 
+import tepo
 from tepokit.entropy_check import NO_ENTROPY_CHANGE, entropy_check
 from tepokit.forks import decision_mask, rollout_fork_metrics
 from tepokit.kl_mask_log import kl_mask_details
@@ -49,3 +51,16 @@ def measure_step(run, step: int, batch, old, adv, plan: list, seen: list, texts:
     details = (kl_mask_details(run.cfg, step, seen, batch, old, adv, scored["rewards"], run.tokenizer)
                if run.details_path else None)
     return row, details
+
+
+def rollout_metrics(batch, scored: dict, keep, group_size: int) -> dict:
+    """What the rollout looked like: rewards, accuracy, groups kept, lengths. batch: the Rollout; scored: rewards,
+    strict and lenient correctness [B]; keep [B]: the rows DAPO's filter kept; group_size: G."""
+    mask, rewards = batch.completion_mask, scored["rewards"]
+    return {"reward": rewards.mean().item(), "reward_std": rewards.std().item(),
+            "accuracy/strict": scored["strict"].mean().item(), "accuracy/lenient": scored["lenient"].mean().item(),
+            "frac_reward_zero_std": 1 - tepo.dynamic_sampling_mask(rewards, group_size).float().mean().item(),
+            "dynamic_sampling/kept_frac": keep.float().mean().item(),
+            "dynamic_sampling/skipped": float(not keep.any()),
+            "completions/mean_length": mask.sum(1).float().mean().item(),
+            "completions/clipped_ratio": batch.truncated.float().mean().item()}
