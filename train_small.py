@@ -60,7 +60,6 @@ from dataclasses import dataclass
 
 from tepokit import bench, cli, compare, resume, rundir  # first: tepokit/__init__.py sets OMP_WAIT_POLICY for torch
 import torch
-from tqdm.auto import tqdm
 
 import tepo
 from tepokit.bench import PhaseClock
@@ -78,7 +77,7 @@ from tepokit.sampling import sample
 from tepokit.stats import combine_micro_batches, mean_pass_at_k
 from tepokit.step_settings import StepSettings, step_settings
 from tepokit.stop import StopSignals, Stopped, stopped_after
-from tepokit.summary import evaluation_line, write_summary
+from tepokit.summary import Progress, evaluation_line, write_summary
 from tepokit.task import dataset_chunks, format_prompt, gold_answer, load_task, score_completions, task_fingerprint
 
 
@@ -551,11 +550,9 @@ def train(args: Args, obj_overrides: dict, clock=PhaseClock) -> dict:
     run = start_run(args, obj_overrides, clock)
     args = run.args                    # with --resume: the saved settings, which start_run read
     last_step = args.steps if args.stop_after is None else min(args.steps, args.stop_after)
-    bar = tqdm(range(run.first_step, last_step + 1), initial=run.first_step - 1, total=last_step,
-               desc=f"{args.objective} seed {args.seed}", dynamic_ncols=True)
-    entropies = []                     # of the rollouts since the last evaluation line: it shows their mean
+    progress = Progress(run.first_step, last_step, args)   # the bar, and a line at each evaluation (summary.py)
     with run.lock, run.trackers, StopSignals(finish_step=True) as stop:
-        for step in bar:
+        for step in progress:
             t0 = time.time()
             with stops_on_divergence(step, run):      # a non-finite loss, gradient or weight ends the run here,
                 row, details_row = rl_step(run, step)  # before anything of the step is saved (tepokit/divergence.py)
@@ -571,18 +568,14 @@ def train(args: Args, obj_overrides: dict, clock=PhaseClock) -> dict:
             run.trackers.log(row)
             if details_row is not None:
                 rundir.append_row(run.details_path, details_row)
-            bar.set_postfix({"reward": f"{row['reward']:.2f}", "H": f"{row['entropy']:.3f}"})
-            entropies.append(row["entropy"])
-            if "eval/accuracy" in row:         # a line that stays on screen above the progress bar
-                bar.write(evaluation_line(row, args, entropies))
-                entropies = []
+            progress.show(row)
             # Read once: the save and the stop agree on it. A signal after this line waits for the next step's
             # end; at the run's last step, it waits for the policy and the summary to be written.
             stopping = stop.requested and step < args.steps
             if step % args.save_every == 0 or step == last_step or stopping:
                 rundir.save_checkpoint(run.run_dir, run.model, run.optimizer, step, run.identity)
             if stopping:               # the safe point: the step is logged and checkpointed
-                bar.close()
+                progress.close()
                 raise stopped_after(stop.signum, step, args.steps, run.run_dir)
         if last_step == args.steps:    # not stopped on purpose (--stop-after): the final policy and summary
             rundir.save_pretrained_atomically(run.model.cpu(), run.tokenizer, os.path.join(run.run_dir, "policy"))
