@@ -626,21 +626,16 @@ def start_run(args: Args, obj_overrides: dict, clock=PhaseClock) -> Run:
     # Again: the task, a warm-up and the models' construction drew random numbers, and how many depends on
     # what was cached; from here the stream is the seed's, whatever was loaded (a resume then sets its own).
     rundir.seed_everything(args.seed)
-    if resume_dir:
-        run.first_step = rundir.load_checkpoint(run_dir, model, run.optimizer) + 1
-        for path in logs:
-            rundir.truncate_log(path, run.first_step)
-    else:
-        config = {"args": dataclasses.asdict(args), "objective_overrides": obj_overrides,
-                  "objective_config": dataclasses.asdict(cfg), "identity": identity,
-                  "start_model": start_model, "needs_ref": ref_model is not None}
-        rundir.write_json(os.path.join(run_dir, "config.json"), config)
-        for path in logs:
-            open(path, "w").close()
-        start = evaluate(model, tokenizer, run.test_set, args, device)
-        rundir.append_row(logs[0], {"step": 0, **start, "memory/process_before_model_mb": memory_before_model})
-        run.trackers.log({"step": 0, **start})
-        print(evaluation_line({"step": 0, **start}, args, entropies=[]), flush=True)
+    if resume_dir:                     # the checkpoint's states, and the logs cut back to its step
+        run.first_step = rundir.resume_from_checkpoint(run_dir, model, run.optimizer, logs)
+    else:                              # config.json and empty logs; step 0: the start model's evaluation
+        rundir.start_logs(run_dir, {"args": dataclasses.asdict(args), "objective_overrides": obj_overrides,
+                                    "objective_config": dataclasses.asdict(cfg), "identity": identity,
+                                    "start_model": start_model, "needs_ref": ref_model is not None}, logs)
+        start = {"step": 0, **evaluate(model, tokenizer, run.test_set, args, device)}
+        rundir.append_row(logs[0], {**start, "memory/process_before_model_mb": memory_before_model})
+        run.trackers.log(start)
+        print(evaluation_line(start, args, entropies=[]), flush=True)
         rundir.save_checkpoint(run_dir, model, run.optimizer, 0, identity)
     return run
 
