@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -63,9 +62,9 @@ import torch
 
 import tepo
 from tepokit.bench import PhaseClock
-from tepokit.divergence import Diverged, check_finite, stops_on_divergence
+from tepokit.divergence import check_finite, stops_on_divergence
 from tepokit.entropy_check import EntropyCheckPositions
-from tepokit.errors import fail, os_error_line
+from tepokit.errors import fail
 from tepokit.forks import eval_by_type
 from tepokit.forward import autocast, completion_logits, precision_noise_floor, token_entropy, token_logprobs
 from tepokit.measure import measure_step, rollout_metrics
@@ -76,7 +75,7 @@ from tepokit.report import Trackers, trackers_of
 from tepokit.sampling import sample
 from tepokit.stats import combine_micro_batches, mean_pass_at_k
 from tepokit.step_settings import StepSettings, step_settings
-from tepokit.stop import StopSignals, Stopped, stopped_after
+from tepokit.stop import StopSignals, stopped_after
 from tepokit.summary import Progress, evaluation_line, write_summary
 from tepokit.task import dataset_chunks, format_prompt, gold_answer, load_task, score_completions, task_fingerprint
 
@@ -662,13 +661,5 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (Stopped, Diverged) as e:    # what was kept, and how to go on
-        print(f"train_small.py: {e.name}: {e.message}", file=sys.stderr)
-        sys.exit(e.exit_status)
-    except OSError as e:          # the disk, the file system, the permissions: one line, and what to do
-        fail(os_error_line(e))
-    except rundir.DamagedLog as e:  # a log --compare reads back, damaged by hand
-        fail(str(e))
+if __name__ == "__main__":     # a stop, a divergence, a disk error: one line on stderr, not a traceback
+    cli.exit_in_one_line(main)
