@@ -61,7 +61,6 @@ from tepokit import bench, cli, compare, resume, rundir  # first: tepokit/__init
 import torch
 
 import tepo
-from tepokit.bench import PhaseClock
 from tepokit.divergence import check_finite, stops_on_divergence
 from tepokit.entropy_check import EntropyCheckPositions
 from tepokit.errors import fail
@@ -282,7 +281,7 @@ class Run:
     details_path: str | None            # details.jsonl, TEPO only
     settings: StepSettings              # what the step's helpers read, resolved once (tepokit/step_settings.py)
     trackers: Trackers                  # --report-to: every metrics.jsonl row also goes there, live
-    clock: object = PhaseClock          # makes each step's clock (--bench and the memory check give their own)
+    clock: object = bench.PhaseClock    # makes each step's clock (--bench and the memory check give their own)
 
 
 @dataclass
@@ -541,7 +540,7 @@ def evaluate(model, tokenizer, test, args: Args, device) -> dict:
 # 6. The loop: start or resume a run, step, evaluate, log, checkpoint
 # =====================================================================================================
 
-def train(args: Args, obj_overrides: dict, clock=PhaseClock) -> dict:
+def train(args: Args, obj_overrides: dict, clock=bench.PhaseClock) -> dict:
     """One RL run: start (or resume) it, then step, evaluate, log and checkpoint; the summary at the end.
     A stop signal (Ctrl-C, SIGTERM, SIGHUP) finishes the step, checkpoints it and exits (tepokit/stop.py); a step
     that diverges ends the run before it is saved (tepokit/divergence.py)."""
@@ -556,10 +555,10 @@ def train(args: Args, obj_overrides: dict, clock=PhaseClock) -> dict:
             with stops_on_divergence(step, run):      # a non-finite loss, gradient or weight ends the run here,
                 row, details_row = rl_step(run, step)  # before anything of the step is saved (tepokit/divergence.py)
                 check_finite(step, row, run)
-                if step % args.eval_every == 0:
-                    row.update(evaluate(run.model, run.tokenizer, run.test_set, args, run.device))
-                elif step == args.steps:   # the final evaluation, off the schedule, leaves the RNG as it found it,
-                    with torch.random.fork_rng():   # so a run extended later (--resume --steps) equals an unbroken one
+                # The final evaluation, off the schedule, leaves the RNG as it found it, so that a run extended
+                # later (--resume --steps) equals an unbroken one.
+                if step % args.eval_every == 0 or step == args.steps:
+                    with torch.random.fork_rng(enabled=step % args.eval_every != 0):
                         row.update(evaluate(run.model, run.tokenizer, run.test_set, args, run.device))
             row.update({"timing/eval": time.time() - t0 - row["step_time"], "step_time": time.time() - t0,
                         "perf/peak_memory_mb": peak_memory_mb(run.device)})
@@ -588,7 +587,7 @@ def train(args: Args, obj_overrides: dict, clock=PhaseClock) -> dict:
     return summary
 
 
-def start_run(args: Args, obj_overrides: dict, clock=PhaseClock) -> Run:
+def start_run(args: Args, obj_overrides: dict, clock=bench.PhaseClock) -> Run:
     """Load the task and the models, then either resume from the run directory's checkpoint or start
     afresh: config.json, empty logs, the starting model's evaluation (step 0) and checkpoint 0.
     The run directory is locked (claimed) once everything has loaded and before anything in it changes:
