@@ -51,8 +51,8 @@ def uses_loop(config, fast: bool, sampler: str) -> bool:
 
 
 def stacked_logits_bytes(rollout_rows: int, max_new_tokens: int, vocab_size: int, loop: bool) -> int:
-    """Bytes of generate's stacked logits [B, T, V] float32 for one rollout of B rows (0 with the loop, loop:
-    uses_loop; it needs none)."""
+    """Bytes of generate's stacked logits [B, T, V] float32 for one rollout of B rows; 0 with the loop (loop:
+    uses_loop), which stacks none."""
     if loop:
         return 0
     return rollout_rows * max_new_tokens * vocab_size * 4
@@ -73,9 +73,9 @@ def recompute_old_logprobs(fast: bool, asked: bool | None, precision: str, loop:
 
 def sampler_logprobs_wanted(fast: bool, recompute: bool, check_sampling_logprobs: bool, stacked_bytes: int) -> bool:
     """Must the sampler give log-probs and entropies? When they are the old ones (not recompute), or for the
-    sampling check (--check-sampling-logprobs: sampled against recomputed) when they are cheap: the logits it
-    stacks for them, stacked_bytes (stacked_logits_bytes), within STACKED_LOGITS_MAX_BYTES; never with --no-fast (the
-    plain path's model.generate gives tokens only)."""
+    sampling check (--check-sampling-logprobs: sampled against recomputed) when they are cheap: when the logits
+    it stacks for them (stacked_bytes, stacked_logits_bytes) are within STACKED_LOGITS_MAX_BYTES; never with
+    --no-fast (the plain path's model.generate gives tokens only)."""
     return fast and (not recompute or (check_sampling_logprobs and stacked_bytes <= STACKED_LOGITS_MAX_BYTES))
 
 
@@ -331,9 +331,9 @@ def sample(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens: int,
     settings = dict(group_size=group_size, max_new_tokens=max_new_tokens, temperature=temperature,
                     eos_ids=eos_ids_of(model), pad_id=model.generation_config.pad_token_id, greedy=greedy,
                     keep_logits_rows=keep_logits_rows)
-    static = static_generation(True, cuda_graphs, device.type)          # True: this is the fast path (--fast)
+    static = static_generation(fast=True, cuda_graphs=cuda_graphs, device_type=device.type)   # sample: --fast
     with autocast(device, precision):
-        if uses_loop(model.config, True, sampler):
+        if uses_loop(model.config, fast=True, sampler=sampler):
             return sample_gpt2(model, prompt_ids, prompt_mask, static=static, capture=static, **settings)
         problem = static_cache_problem(model) if static else None
         if static and problem is None:
