@@ -54,31 +54,28 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import time
 from dataclasses import dataclass
 
 from tepokit import bench, cli, compare, resume, rundir  # first: tepokit/__init__.py sets OMP_WAIT_POLICY for torch
 import torch
-from tqdm.auto import tqdm
 
 import tepo
-from tepokit.bench import PhaseClock
-from tepokit.divergence import Diverged, check_finite, stops_on_divergence
-from tepokit.entropy_check import EntropyCheckPositions, checked_rows
-from tepokit.errors import fail, os_error_line
+from tepokit.divergence import check_finite, stops_on_divergence
+from tepokit.entropy_check import EntropyCheckPositions
+from tepokit.errors import fail
 from tepokit.forks import eval_by_type
-from tepokit.forward import (autocast, completion_logits, precision_noise_floor, rows_per_forward, token_entropy,
-                             token_logprobs)
-from tepokit.measure import measure_step
+from tepokit.forward import autocast, completion_logits, precision_noise_floor, token_entropy, token_logprobs
+from tepokit.measure import measure_step, rollout_metrics
 from tepokit.memory import (check_memory, check_memory_on_device, dry_run, peak_memory_mb, process_memory_mb,
                             reset_peak_memory)
 from tepokit.model import eos_ids_of, load_policy, pick_device, prepare_start_model
 from tepokit.report import Trackers, trackers_of
-from tepokit.sampling import recompute_old_logprobs, sample, sampler_logprobs_wanted
+from tepokit.sampling import sample
 from tepokit.stats import combine_micro_batches, mean_pass_at_k
-from tepokit.stop import StopSignals, Stopped, stopped_after
-from tepokit.summary import evaluation_line, write_summary
+from tepokit.step_settings import StepSettings, step_settings
+from tepokit.stop import StopSignals, stopped_after
+from tepokit.summary import Progress, evaluation_line, write_summary
 from tepokit.task import dataset_chunks, format_prompt, gold_answer, load_task, score_completions, task_fingerprint
 
 
@@ -224,8 +221,8 @@ def generate_group(model, tokenizer, questions: list[str], group_size: int, args
     group_ids, group_mask = prompt_ids.repeat_interleave(group_size, 0), prompt_mask.repeat_interleave(group_size, 0)
     eos_ids = eos_ids_of(model)
     if args.fast:    # the fast twin: each prompt read once per group, log-probs as it samples (tepokit/sampling.py)
-        out = sample(model, prompt_ids, prompt_mask, group_size, args, device, greedy=greedy,
-                     keep_logits_rows=keep_logits_rows, want_logprobs=want_logprobs)
+        out = sample(model, prompt_ids, prompt_mask, group_size, args.max_new_tokens, args.temperature, args.precision,
+                     args.sampler, args.cuda_graphs, greedy, keep_logits_rows, want_logprobs)
     else:
         sampling = (dict(do_sample=False) if greedy         # top-k and top-p off: a model's own config may set them
                     else dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0))
@@ -282,10 +279,9 @@ class Run:
     test_set: object
     first_step: int                     # 1, or the step after the checkpoint when resuming
     details_path: str | None            # details.jsonl, TEPO only
-    recompute: bool                     # old log-probs by a forward pass (sampling.recompute_old_logprobs)
-    sampler_logprobs: bool              # the sampler gives log-probs (sampling.sampler_logprobs_wanted)
+    settings: StepSettings              # what the step's helpers read, resolved once (tepokit/step_settings.py)
     trackers: Trackers                  # --report-to: every metrics.jsonl row also goes there, live
-    clock: object = PhaseClock          # makes each step's clock (--bench and the memory check give their own)
+    clock: object = bench.PhaseClock    # makes each step's clock (--bench and the memory check give their own)
 
 
 @dataclass
@@ -301,12 +297,12 @@ class OldPolicy:
 def rl_step(run: Run, step: int) -> tuple[dict, dict | None]:
     """One RL step, the seven steps of the module docstring. B = --prompts-per-step x --group-size rows.
     Returns its metrics row (one flat dict of numbers, docs/metrics.md) and, for TEPO, its details row."""
-    args, clock = run.args, run.clock()         # seconds (and, under --bench, FLOPs) of each phase
+    args, settings, clock = run.args, run.settings, run.clock()   # clock: seconds (and FLOPs, --bench) of each phase
     check_entropy = step % args.entropy_check_every == 0                # 7. runs on this step
     records = run.train_set.select(prompts_for_step(step, len(run.train_set), args))  # 1. a Dataset: question, answer
     batch = generate_group(run.model, run.tokenizer, list(records["question"]), args.group_size, args,  # 2. Rollout
-                           run.device, want_logprobs=run.sampler_logprobs,
-                           keep_logits_rows=checked_rows(args) if check_entropy and not run.recompute else 0)
+                           run.device, want_logprobs=settings.sampler_logprobs,
+                           keep_logits_rows=settings.checked_rows if check_entropy and not settings.recompute else 0)
     clock.lap("generate")
     texts = decode(run.tokenizer, batch)                                                # [B] str
     golds = [gold_answer(a) for a in records["answer"] for _ in range(args.group_size)]  # [B] right numbers
@@ -315,7 +311,7 @@ def rl_step(run: Run, step: int) -> tuple[dict, dict | None]:
     clock.lap("reward")
     for group in run.optimizer.param_groups:
         group["lr"] = learning_rate(step, args)
-    plan = minibatch_plan(keep, args)                  # rows [b] per micro-batch per optimizer step; [] if none kept
+    plan = minibatch_plan(keep, args, settings.rows_per_forward)  # rows [b] per micro-batch per optimizer step
     check_entropy = check_entropy and bool(plan)       # no update, no entropy change to measure
     old, rollout_stats = rollout_statistics(run, batch, adv, plan, check_entropy)   # 5. OldPolicy; dict of floats
     clock.lap("old_logprobs")
@@ -325,7 +321,7 @@ def rl_step(run: Run, step: int) -> tuple[dict, dict | None]:
                                      check_entropy)                                 # and TEPO's details.jsonl row
     clock.lap("measure")
     tokens = batch.completion_mask.sum().item()
-    row = {"step": step, **rollout_metrics(batch, scored, keep, args), **rollout_stats, **losses, **measured,
+    row = {"step": step, **rollout_metrics(batch, scored, keep, args.group_size), **rollout_stats, **losses, **measured,
            **clock.row(), "perf/tokens_per_second": tokens / clock.total()}
     return row, details
 
@@ -343,10 +339,10 @@ def compute_advantages(rewards: torch.Tensor, args: Args, cfg: tepo.ObjectiveCon
     return adv, keep
 
 
-def minibatch_plan(keep: torch.Tensor, args: Args) -> list[list[torch.Tensor]]:
+def minibatch_plan(keep: torch.Tensor, args: Args, rows_per_forward: int) -> list[list[torch.Tensor]]:
     """The rows of every optimizer step of this rollout, drawn before any forward pass: `epochs`
     passes of `mini_batches` mini-batches of shuffled WHOLE groups, each mini-batch a list of
-    micro-batches of at most --micro-batch-size rows (row indices [b], CPU). Empty when DAPO's
+    micro-batches of at most rows_per_forward rows (row indices [b], CPU). Empty when DAPO's
     filter dropped every group.
 
     Mini-batches hold whole groups. A group's advantages sum to zero, so the tokens its samples
@@ -364,7 +360,7 @@ def minibatch_plan(keep: torch.Tensor, args: Args) -> list[list[torch.Tensor]]:
         groups = kept_groups[torch.randperm(len(kept_groups))]
         for chunk in groups.tensor_split(min(args.mini_batches, len(groups))):
             rows = (chunk.unsqueeze(1) * G + torch.arange(G)).reshape(-1)           # [b] whole groups
-            plan.append(list(rows.split(rows_per_forward(args))))      # micro-batches of at most that many
+            plan.append(list(rows.split(rows_per_forward)))            # micro-batches of at most that many
     return plan
 
 
@@ -381,30 +377,31 @@ def rollout_statistics(run: Run, batch: Rollout, adv: torch.Tensor, plan: list, 
     (--fast, in fp32 with the loop sampler; tepokit/sampling.py recompute_old_logprobs says when) takes the
     sampler's, computed from the logits that chose each token: no forward pass.
     """
-    args, B = run.args, batch.completion_ids.shape[0]
+    settings, B = run.settings, batch.completion_ids.shape[0]
     mask = batch.completion_mask                                                 # [B, T]
-    first_epoch = [rows for minibatch in plan[:len(plan) // args.epochs] for rows in minibatch]
+    first_epoch = [rows for minibatch in plan[:len(plan) // run.args.epochs] for rows in minibatch]
     seen = torch.zeros(B, dtype=torch.bool)
     for rows in first_epoch:
         seen[rows] = True
     unseen = torch.arange(B)[~seen]
-    forwards = first_epoch + (list(unseen.split(rows_per_forward(args))) if len(unseen) else [])
+    forwards = first_epoch + (list(unseen.split(settings.rows_per_forward)) if len(unseen) else [])
     dtype = torch.promote_types(next(run.model.parameters()).dtype, torch.float32)  # float64 in the tests
-    positions = EntropyCheckPositions(batch, args if check_entropy else dataclasses.replace(args, entropy_check_rows=0))
+    positions = EntropyCheckPositions(batch, settings.checked_rows if check_entropy else 0)
     ref_logp = None
     if run.ref_model is not None:
         ref_logp = torch.zeros(mask.shape, dtype=dtype, device=mask.device)        # [B, T]
         for rows in forwards:
-            ref_logp[rows] = token_logprobs(completion_logits(run.ref_model, batch, rows, args),
-                                            batch.completion_ids[rows.to(mask.device)], args.temperature).to(dtype)
-    if run.recompute:
+            ref_logp[rows] = token_logprobs(                # its logits [b, T, V] gone before the next forward
+                completion_logits(run.ref_model, batch, rows, settings.precision, settings.prompt_once),
+                batch.completion_ids[rows.to(mask.device)], settings.temperature).to(dtype)
+    if settings.recompute:
         old_logp = torch.zeros(mask.shape, dtype=dtype, device=mask.device)         # [B, T]
         entropy = torch.zeros_like(old_logp)                                        # [B, T]
         for rows in forwards:
-            logits = completion_logits(run.model, batch, rows, args)               # [b, T, V]
+            logits = completion_logits(run.model, batch, rows, settings.precision, settings.prompt_once)  # [b, T, V]
             old_logp[rows] = token_logprobs(logits, batch.completion_ids[rows.to(mask.device)],
-                                            args.temperature).to(dtype)
-            entropy[rows] = token_entropy(logits, args.temperature).to(dtype)
+                                            settings.temperature).to(dtype)
+            entropy[rows] = token_entropy(logits, settings.temperature).to(dtype)
             positions.capture(rows, logits)
             del logits                 # before the next forward allocates its own
     else:                              # the twin: the sampler's, at the same temperature (update_policy replaces
@@ -416,8 +413,8 @@ def rollout_statistics(run: Run, batch: Rollout, adv: torch.Tensor, plan: list, 
     covariance = tepo.token_covariance(old_logp, adv.to(mask.device), mask)        # [B, T]
     metrics = {"entropy": tepo.masked_mean(entropy, mask).item(),
                "cov/logp_adv": tepo.masked_mean(covariance, mask).item(),
-               **precision_noise_floor(run, batch, forwards[0], old_logp)}
-    if run.recompute and batch.sampling_logp is not None:    # how far the sampler's were from the recomputed
+               **precision_noise_floor(run.model, batch, forwards[0], old_logp, settings)}
+    if settings.recompute and batch.sampling_logp is not None:    # how far the sampler's were from the recomputed
         gap = (batch.sampling_logp - old_logp).abs()[mask.bool()]
         metrics["logprobs/sampling_vs_recomputed_max_abs"] = gap.max().item()
     return old, metrics
@@ -451,7 +448,7 @@ def update_policy(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor, p
         run.optimizer.zero_grad(set_to_none=True)
         parts, seen_here = [], []
         for micro in micro_batches:
-            on_policy = i == 0 and not run.recompute       # the twin's: its own forward is the old policy (above)
+            on_policy = i == 0 and not run.settings.recompute   # the twin's: its own forward is the old policy
             loss, metrics, log_ratio, micro_seen = micro_batch_loss(run, batch, old_logp, old_entropy, old.ref_logp,
                                                                     adv, micro, counts, on_policy)
             loss.backward()
@@ -483,15 +480,15 @@ def micro_batch_loss(run: Run, batch: Rollout, old_logp: torch.Tensor, old_entro
     what it saw: (rows [b], log pi [b, T], entropy [b, T] or None), detached). old_logp, old_entropy, ref_logp:
     [B, T] over the whole rollout. on_policy: this forward is the old policy of its rows (update_policy says
     why); the returned gap then measures how far the old log-probs it was given were from it."""
-    args, cfg = run.args, run.cfg
+    settings, cfg = run.settings, run.cfg
     idx = rows.to(adv.device)
     mask, tokens = batch.completion_mask[idx], batch.completion_ids[idx]     # [b, T]
-    logits = completion_logits(run.model, batch, rows, args)                       # [b, T, V]
-    logp = token_logprobs(logits, tokens, args.temperature)                          # [b, T]
+    logits = completion_logits(run.model, batch, rows, settings.precision, settings.prompt_once)   # [b, T, V]
+    logp = token_logprobs(logits, tokens, settings.temperature)                      # [b, T]
     # The current entropy: for the objective when its criterion needs it, and for TEPO always, whose details.jsonl
     # sets its two entropy criteria side by side (tepokit/kl_mask_log.py); the loss gets it only in the first case.
-    needs_entropy = tepo.needs_entropy(args.objective, cfg)
-    entropy = token_entropy(logits, args.temperature) if needs_entropy or args.objective == "tepo" else None
+    needs_entropy = tepo.needs_entropy(settings.objective, cfg)
+    entropy = token_entropy(logits, settings.temperature) if needs_entropy or settings.objective == "tepo" else None
     log_ratio = (logp.detach() - old_logp[idx]).abs()[mask.bool()]
     old_logp = logp.detach().to(old_logp.dtype) if on_policy else old_logp[idx]                   # [b, T]
     own_entropy = on_policy and entropy is not None
@@ -500,20 +497,8 @@ def micro_batch_loss(run: Run, batch: Rollout, old_logp: torch.Tensor, old_entro
     loss, metrics = run.objective(logp, old_logp, adv[idx], mask, cfg, ref_logp=ref,
                                   entropy=entropy if needs_entropy else None,
                                   old_entropy=old_entropy if needs_entropy else None, **counts)
-    loss = loss + tepo.entropy_bonus(logits, mask, cfg, args.temperature, **counts)   # 0 unless --entropy-coef
+    loss = loss + tepo.entropy_bonus(logits, mask, cfg, settings.temperature, **counts)   # 0 unless --entropy-coef
     return loss, metrics, log_ratio, (idx, logp.detach(), entropy.detach() if entropy is not None else None)
-
-
-def rollout_metrics(batch: Rollout, scored: dict, keep: torch.Tensor, args: Args) -> dict:
-    """What the rollout looked like: rewards, accuracy, groups kept, lengths."""
-    mask, rewards = batch.completion_mask, scored["rewards"]
-    return {"reward": rewards.mean().item(), "reward_std": rewards.std().item(),
-            "accuracy/strict": scored["strict"].mean().item(), "accuracy/lenient": scored["lenient"].mean().item(),
-            "frac_reward_zero_std": 1 - tepo.dynamic_sampling_mask(rewards, args.group_size).float().mean().item(),
-            "dynamic_sampling/kept_frac": keep.float().mean().item(),
-            "dynamic_sampling/skipped": float(not keep.any()),
-            "completions/mean_length": mask.sum(1).float().mean().item(),
-            "completions/clipped_ratio": batch.truncated.float().mean().item()}
 
 
 # =====================================================================================================
@@ -555,7 +540,7 @@ def evaluate(model, tokenizer, test, args: Args, device) -> dict:
 # 6. The loop: start or resume a run, step, evaluate, log, checkpoint
 # =====================================================================================================
 
-def train(args: Args, obj_overrides: dict, clock=PhaseClock) -> dict:
+def train(args: Args, obj_overrides: dict, clock=bench.PhaseClock) -> dict:
     """One RL run: start (or resume) it, then step, evaluate, log and checkpoint; the summary at the end.
     A stop signal (Ctrl-C, SIGTERM, SIGHUP) finishes the step, checkpoints it and exits (tepokit/stop.py); a step
     that diverges ends the run before it is saved (tepokit/divergence.py)."""
@@ -563,19 +548,17 @@ def train(args: Args, obj_overrides: dict, clock=PhaseClock) -> dict:
     run = start_run(args, obj_overrides, clock)
     args = run.args                    # with --resume: the saved settings, which start_run read
     last_step = args.steps if args.stop_after is None else min(args.steps, args.stop_after)
-    bar = tqdm(range(run.first_step, last_step + 1), initial=run.first_step - 1, total=last_step,
-               desc=f"{args.objective} seed {args.seed}", dynamic_ncols=True)
-    entropies = []                     # of the rollouts since the last evaluation line: it shows their mean
+    progress = Progress(run.first_step, last_step, args)   # the bar, and a line at each evaluation (summary.py)
     with run.lock, run.trackers, StopSignals(finish_step=True) as stop:
-        for step in bar:
+        for step in progress:
             t0 = time.time()
             with stops_on_divergence(step, run):      # a non-finite loss, gradient or weight ends the run here,
                 row, details_row = rl_step(run, step)  # before anything of the step is saved (tepokit/divergence.py)
                 check_finite(step, row, run)
-                if step % args.eval_every == 0:
-                    row.update(evaluate(run.model, run.tokenizer, run.test_set, args, run.device))
-                elif step == args.steps:   # the final evaluation, off the schedule, leaves the RNG as it found it,
-                    with torch.random.fork_rng():   # so a run extended later (--resume --steps) equals an unbroken one
+                # The final evaluation, off the schedule, leaves the RNG as it found it, so that a run extended
+                # later (--resume --steps) equals an unbroken one.
+                if step % args.eval_every == 0 or step == args.steps:
+                    with torch.random.fork_rng(enabled=step % args.eval_every != 0):
                         row.update(evaluate(run.model, run.tokenizer, run.test_set, args, run.device))
             row.update({"timing/eval": time.time() - t0 - row["step_time"], "step_time": time.time() - t0,
                         "perf/peak_memory_mb": peak_memory_mb(run.device)})
@@ -583,18 +566,14 @@ def train(args: Args, obj_overrides: dict, clock=PhaseClock) -> dict:
             run.trackers.log(row)
             if details_row is not None:
                 rundir.append_row(run.details_path, details_row)
-            bar.set_postfix({"reward": f"{row['reward']:.2f}", "H": f"{row['entropy']:.3f}"})
-            entropies.append(row["entropy"])
-            if "eval/accuracy" in row:         # a line that stays on screen above the progress bar
-                bar.write(evaluation_line(row, args, entropies))
-                entropies = []
+            progress.show(row)
             # Read once: the save and the stop agree on it. A signal after this line waits for the next step's
             # end; at the run's last step, it waits for the policy and the summary to be written.
             stopping = stop.requested and step < args.steps
             if step % args.save_every == 0 or step == last_step or stopping:
                 rundir.save_checkpoint(run.run_dir, run.model, run.optimizer, step, run.identity)
             if stopping:               # the safe point: the step is logged and checkpointed
-                bar.close()
+                progress.close()
                 raise stopped_after(stop.signum, step, args.steps, run.run_dir)
         if last_step == args.steps:    # not stopped on purpose (--stop-after): the final policy and summary
             rundir.save_pretrained_atomically(run.model.cpu(), run.tokenizer, os.path.join(run.run_dir, "policy"))
@@ -608,7 +587,7 @@ def train(args: Args, obj_overrides: dict, clock=PhaseClock) -> dict:
     return summary
 
 
-def start_run(args: Args, obj_overrides: dict, clock=PhaseClock) -> Run:
+def start_run(args: Args, obj_overrides: dict, clock=bench.PhaseClock) -> Run:
     """Load the task and the models, then either resume from the run directory's checkpoint or start
     afresh: config.json, empty logs, the starting model's evaluation (step 0) and checkpoint 0.
     The run directory is locked (claimed) once everything has loaded and before anything in it changes:
@@ -638,29 +617,23 @@ def start_run(args: Args, obj_overrides: dict, clock=PhaseClock) -> Run:
               optimizer=torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.999)),
               train_set=task["train"], test_set=task["test"].select(range(min(args.n_test, len(task["test"])))),
               first_step=1, details_path=os.path.join(run_dir, "details.jsonl") if args.objective == "tepo" else None,
-              recompute=recompute_old_logprobs(args, model.config),
-              sampler_logprobs=sampler_logprobs_wanted(args, model.config), clock=clock,
+              settings=step_settings(args, model.config), clock=clock,
               trackers=Trackers(trackers_of(args.report_to), run_dir,
                                 {**dataclasses.asdict(args), **dataclasses.asdict(cfg)}))
     logs = [p for p in (os.path.join(run_dir, "metrics.jsonl"), run.details_path) if p is not None]
     # Again: the task, a warm-up and the models' construction drew random numbers, and how many depends on
     # what was cached; from here the stream is the seed's, whatever was loaded (a resume then sets its own).
     rundir.seed_everything(args.seed)
-    if resume_dir:
-        run.first_step = rundir.load_checkpoint(run_dir, model, run.optimizer) + 1
-        for path in logs:
-            rundir.truncate_log(path, run.first_step)
-    else:
-        config = {"args": dataclasses.asdict(args), "objective_overrides": obj_overrides,
-                  "objective_config": dataclasses.asdict(cfg), "identity": identity,
-                  "start_model": start_model, "needs_ref": ref_model is not None}
-        rundir.write_json(os.path.join(run_dir, "config.json"), config)
-        for path in logs:
-            open(path, "w").close()
-        start = evaluate(model, tokenizer, run.test_set, args, device)
-        rundir.append_row(logs[0], {"step": 0, **start, "memory/process_before_model_mb": memory_before_model})
-        run.trackers.log({"step": 0, **start})
-        print(evaluation_line({"step": 0, **start}, args, entropies=[]), flush=True)
+    if resume_dir:                     # the checkpoint's states, and the logs cut back to its step
+        run.first_step = rundir.resume_from_checkpoint(run_dir, model, run.optimizer, logs)
+    else:                              # config.json and empty logs; step 0: the start model's evaluation
+        rundir.start_logs(run_dir, {"args": dataclasses.asdict(args), "objective_overrides": obj_overrides,
+                                    "objective_config": dataclasses.asdict(cfg), "identity": identity,
+                                    "start_model": start_model, "needs_ref": ref_model is not None}, logs)
+        start = {"step": 0, **evaluate(model, tokenizer, run.test_set, args, device)}
+        rundir.append_row(logs[0], {**start, "memory/process_before_model_mb": memory_before_model})
+        run.trackers.log(start)
+        print(evaluation_line(start, args, entropies=[]), flush=True)
         rundir.save_checkpoint(run_dir, model, run.optimizer, 0, identity)
     return run
 
@@ -687,13 +660,5 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (Stopped, Diverged) as e:    # what was kept, and how to go on
-        print(f"train_small.py: {e.name}: {e.message}", file=sys.stderr)
-        sys.exit(e.exit_status)
-    except OSError as e:          # the disk, the file system, the permissions: one line, and what to do
-        fail(os_error_line(e))
-    except rundir.DamagedLog as e:  # a log --compare reads back, damaged by hand
-        fail(str(e))
+if __name__ == "__main__":     # a stop, a divergence, a disk error: one line on stderr, not a traceback
+    cli.exit_in_one_line(main)

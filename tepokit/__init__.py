@@ -7,6 +7,7 @@
   task           the built-in arithmetic task, dataset loading, answer parsing (the reward)
   model          the built-in tokenizer and model, its warm-up (committed or cached), loading a real model
   forward        micro-batch sizes, completion logits, memory-bounded log-probs and entropy
+  step_settings  what the RL step's helpers read, resolved once from the run's flags and model
   entropy_check  predicted against measured entropy change after each RL step
   kl_mask_log    details.jsonl: where TEPO's KL mask falls
   memory         the memory plan (--dry-run) and peak memory

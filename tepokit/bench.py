@@ -305,7 +305,7 @@ def rollout_memory(args, obj_overrides: dict, out: str) -> dict:
     fixed at the run's rows per forward: each in a process of its own (the peak resident memory of a
     process cannot be reset cleanly), counted above the process's memory before the model is loaded (on a
     GPU: the memory CUDA allocated)."""
-    micro = rows_per_forward(args)
+    micro = rows_per_forward(args.micro_batch_size, args.prompts_per_step, args.mini_batches, args.group_size)
     peaks = {}
     for prompts in (args.prompts_per_step, 2 * args.prompts_per_step):
         run_dir = os.path.join(out, f"memory_{prompts}_prompts")
@@ -385,7 +385,7 @@ def input_check_cost(args, obj_overrides: dict, repeats: int = 30) -> dict:
     """Median seconds of tepo's input checks (_prepare: shapes, 0/1 mask, NaN / inf where
     mask is 1) and of the whole objective call with its backward, on one mini-batch of the bench's
     shape ([rows, max_new_tokens], float32, rows of random lengths) filled with random log-probs."""
-    rows = rows_per_minibatch(args)
+    rows = rows_per_minibatch(args.prompts_per_step, args.mini_batches, args.group_size)
     T = args.max_new_tokens
     g = torch.Generator().manual_seed(0)
     old_logp = -torch.rand(rows, T, generator=g) * 3                           # [rows, T]

@@ -1,6 +1,7 @@
 """The command line: one flag per field of train_small's Args and of tepo.ObjectiveConfig (their valid values
 and the rules between flags are in tepokit/validation.py), --help, the presets (--regime, --demo, --task,
---bench-shape), the rules of --resume, and the objective's configuration from the flags."""
+--bench-shape), the rules of --resume, the objective's configuration from the flags, and the one line a command
+ends with when a stop, a divergence or the file system ends it early (exit_in_one_line)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,19 @@ import dataclasses
 import os
 import re
 import shlex
+import sys
 import textwrap
 
 import tepo
-from tepokit.errors import fail, warn
+from tepokit.divergence import Diverged
+from tepokit.errors import fail, os_error_line, warn
 from tepokit.helptext import (CLI_HELP, COMMON_FLAGS, EXAMPLES, HELP_GROUPS, field_comments, help_group,
                               paper_values, topic_group)
 from tepokit.model import check_model_dir
 from tepokit.report import check_installed
 from tepokit.resume import check_resumable
-from tepokit.rundir import lock_holder
+from tepokit.rundir import DamagedLog, lock_holder
+from tepokit.stop import Stopped
 from tepokit.validation import VALID, check_values, converter, field_kinds, flag, warn_ignored
 
 # Fields of Args that only say how to run, not what is computed: they are not compared on resume.
@@ -251,3 +255,18 @@ def run_settings(args, obj_overrides: dict) -> tuple:
         return args, obj_overrides
     saved, checkpoint_step = check_resumable(args.resume, type(args), RUN_ONLY_FIELDS)
     return saved_settings(args, obj_overrides, {"steps"}, saved, checkpoint_step)
+
+
+def exit_in_one_line(main) -> None:
+    """Run the command (main() -> its exit status) and exit. What ends it early says so in one line on stderr, not
+    a traceback: a stop signal or a diverged step (what was kept, how to go on; their own exit statuses), the disk
+    or the file system (what failed and what to do), a log --compare reads back, damaged by hand (exit status 2)."""
+    try:
+        sys.exit(main())
+    except (Stopped, Diverged) as e:    # what was kept, and how to go on
+        print(f"train_small.py: {e.name}: {e.message}", file=sys.stderr)
+        sys.exit(e.exit_status)
+    except OSError as e:          # the disk, the file system, the permissions: one line, and what to do
+        fail(os_error_line(e))
+    except DamagedLog as e:
+        fail(str(e))

@@ -33,9 +33,10 @@ def warn_once(message: str) -> None:
         warn(message)
 
 
-def static_generation(args, device_type: str) -> bool:
-    """Does the run generate over a static KV cache (and capture its decode step on a GPU)? Never with --no-fast."""
-    return args.fast and (args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and device_type == "cuda"))
+def static_generation(fast: bool, cuda_graphs: str, device_type: str) -> bool:
+    """Does the run generate over a static KV cache (and capture its decode step on a GPU)? From --fast (never
+    with --no-fast), --cuda-graphs (on, off, auto) and the run's device type (auto: on CUDA only)."""
+    return fast and (cuda_graphs == "on" or (cuda_graphs == "auto" and device_type == "cuda"))
 
 
 def static_decoder(decode, rows: int, device, capture: bool, reset=lambda: None):

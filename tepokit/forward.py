@@ -4,22 +4,22 @@ log-probs and entropy, and the bf16 noise floor."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 
 import tepo
 
-def rows_per_forward(args) -> int:
-    """Rows in one forward pass at most: --micro-batch-size, or a whole mini-batch when it is 0 (its nominal size,
-    ceil(P / M) groups, which no mini-batch exceeds: fewer groups when DAPO's filter dropped some)."""
-    return args.micro_batch_size or math.ceil(args.prompts_per_step / args.mini_batches) * args.group_size
+
+def rows_per_minibatch(prompts_per_step: int, mini_batches: int, group_size: int) -> int:
+    """Rows of one (nominal) mini-batch: ceil(P / M) whole groups of G rows (mini-batches hold whole groups);
+    no mini-batch exceeds it (fewer groups when DAPO's filter dropped some)."""
+    return math.ceil(prompts_per_step / mini_batches) * group_size
 
 
-def rows_per_minibatch(args) -> int:
-    """Rows of one (nominal) mini-batch: mini-batches hold whole groups."""
-    return rows_per_forward(dataclasses.replace(args, micro_batch_size=0))
+def rows_per_forward(micro_batch_size: int, prompts_per_step: int, mini_batches: int, group_size: int) -> int:
+    """Rows in one forward pass at most: --micro-batch-size, or a whole mini-batch when it is 0."""
+    return micro_batch_size or rows_per_minibatch(prompts_per_step, mini_batches, group_size)
 
 
 def autocast(device, precision: str):
@@ -28,27 +28,29 @@ def autocast(device, precision: str):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
-def completion_logits(model, batch, rows, args) -> torch.Tensor:
+def completion_logits(model, batch, rows, precision: str, prompt_once: bool) -> torch.Tensor:
     """Logits at the completion positions: one forward of prompt + completion per row.               [b, T, V]
-    `batch` is a rollout (train_small.Rollout: prompt and completion ids and masks), `rows` [b] its rows.
+    `batch` is a rollout (train_small.Rollout: prompt and completion ids and masks), `rows` [b] its rows;
+    precision: --precision (bf16: under autocast); prompt_once: hand over to the fast twin below (--fast, not
+    with --gradient-checkpointing).
 
     Left padding + absolute positions: position_ids = cumsum(attention_mask) - 1, exactly as
     generate did, otherwise every log-prob is off (by up to 14 nats on GPT-2). Position P-1+t predicts
     completion token t, so the logits of the last T+1 positions are kept and the last one dropped.
     """
-    if args.fast and not args.gradient_checkpointing:     # the fast twin: each prompt once per group
-        return completion_logits_prompt_once(model, batch, rows, args)
+    if prompt_once:     # the fast twin: each prompt once per group
+        return completion_logits_prompt_once(model, batch, rows, precision)
     rows = rows.to(batch.prompt_ids.device)
     attn = torch.cat([batch.prompt_mask[rows], batch.completion_mask[rows]], 1)                # [b, P+T]
     T = batch.completion_ids.shape[1]
-    with autocast(attn.device, args.precision):
+    with autocast(attn.device, precision):
         logits = model(input_ids=torch.cat([batch.prompt_ids[rows], batch.completion_ids[rows]], 1),
                        attention_mask=attn, position_ids=(attn.cumsum(1) - 1).clamp(min=0), logits_to_keep=T + 1,
                        use_cache=False).logits                                             # [b, T+1, V]
     return logits[:, :-1]
 
 
-def completion_logits_prompt_once(model, batch, rows, args) -> torch.Tensor:
+def completion_logits_prompt_once(model, batch, rows, precision: str) -> torch.Tensor:
     """completion_logits' twin (--fast): the same logits, reading each prompt once per group.         [b, T, V]
 
     The G completions of a prompt share it: each distinct prompt of the rows goes through the model
@@ -64,7 +66,7 @@ def completion_logits_prompt_once(model, batch, rows, args) -> torch.Tensor:
     P, T = prompt_ids.shape[1], completion_ids.shape[1]
     attn = torch.cat([prompt_mask, completion_mask], 1)                                  # [b, P+T]
     position_ids = (attn.cumsum(1) - 1).clamp(min=0)
-    with autocast(prompt_ids.device, args.precision):
+    with autocast(prompt_ids.device, precision):
         distinct, which = torch.unique(torch.cat([prompt_ids, prompt_mask], 1), dim=0, return_inverse=True)
         distinct_ids, distinct_mask = distinct[:, :P], distinct[:, P:]                  # [u, P] each prompt once
         prompts = model(input_ids=distinct_ids, attention_mask=distinct_mask,
@@ -153,18 +155,18 @@ def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def precision_noise_floor(run, batch, rows: torch.Tensor, logp: torch.Tensor) -> dict:
+def precision_noise_floor(model, batch, rows: torch.Tensor, logp: torch.Tensor, settings) -> dict:
     """How far the run's precision puts the log-probs from float32's, on one micro-batch: max and mean
-    |log pi(bf16 autocast) - log pi(fp32)| over its valid tokens (0 in fp32, not computed).
+    |log pi(bf16 autocast) - log pi(fp32)| over its valid tokens (0 in fp32, not computed). settings: the run's
+    StepSettings (tepokit/step_settings.py): its precision, prompt_once and temperature.
 
     Any ratio band or masked penalty that acts on smaller log-ratios than this acts on rounding
     noise: GSPO's and TEPO's band is (1 - 3e-4, 1 + 4e-4), i.e. |log s| < 4e-4.
     """
-    if run.args.precision == "fp32":
+    if settings.precision == "fp32":
         return {"precision/logp_error_max": 0.0, "precision/logp_error_mean": 0.0}
-    fp32_args = dataclasses.replace(run.args, precision="fp32")
-    exact = token_logprobs(completion_logits(run.model, batch, rows, fp32_args),
-                           batch.completion_ids[rows.to(logp.device)], run.args.temperature)
+    exact = token_logprobs(completion_logits(model, batch, rows, "fp32", settings.prompt_once),
+                           batch.completion_ids[rows.to(logp.device)], settings.temperature)
     valid = batch.completion_mask[rows.to(logp.device)].bool()
     error = (logp[rows] - exact).abs()[valid]
     return {"precision/logp_error_max": error.max().item(), "precision/logp_error_mean": error.mean().item()}

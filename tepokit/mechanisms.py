@@ -47,14 +47,14 @@ CLIPPING = ("ppo", "grpo", "dapo", "dr_grpo", "clip_cov", "gspo", "gspo_token", 
 REFERENCE_KL = ("ppo", "grpo", "dapo", "dr_grpo", "clip_cov", "gspo", "gspo_token", "mpo")
 
 
-def effect_check_interval(args) -> int:
+def effect_check_interval(effect_check_every: int | None, model: str | None) -> int:
     """Every how many steps the effects are measured (0: never): --effect-check-every, or when unset 4 on the
-    built-in model and never with --model. On a real model the measurement is not free: besides its forward and
-    backward passes it holds one gradient-sized buffer for the objective and one for each mechanism (4 x 2 GB
-    for TEPO on Qwen2.5-0.5B in fp32), which the memory plan does not count; ask for it with the flag."""
-    if args.effect_check_every is not None:
-        return args.effect_check_every
-    return 0 if args.model else 4
+    built-in model (no --model) and never with --model. On a real model the measurement is not free: besides its
+    forward and backward passes it holds one gradient-sized buffer for the objective and one for each mechanism
+    (4 x 2 GB for TEPO on Qwen2.5-0.5B in fp32), which the memory plan does not count; ask for it with the flag."""
+    if effect_check_every is not None:
+        return effect_check_every
+    return 0 if model else 4
 
 
 def mechanisms(objective: str, cfg: tepo.ObjectiveConfig) -> dict[str, tepo.ObjectiveConfig]:
@@ -102,10 +102,12 @@ def token_gradients(objective, logp, old_logp, adv, mask, cfg, seed: int, **inpu
 
 
 def mechanism_effects(model, batch, old, adv: torch.Tensor, plan: list, objective_name: str,
-                      cfg: tepo.ObjectiveConfig, args, seed: int, decisions: torch.Tensor | None = None) -> dict:
+                      cfg: tepo.ObjectiveConfig, settings, seed: int, decisions: torch.Tensor | None = None) -> dict:
     """The effect/ metrics (module docstring) of this step, after its update. `batch` is the rollout, `old`
     the OldPolicy, adv [B], `plan` the update's mini-batches (lists of micro-batch rows [b]; the last is measured),
-    decisions [B, T] 1 at the decision tokens (the hidden-type task) or None. Nothing is measured without a plan."""
+    settings the run's StepSettings (tepokit/step_settings.py: its forward's precision and prompt_once, and the
+    temperature), decisions [B, T] 1 at the decision tokens (the hidden-type task) or None. Nothing is measured
+    without a plan."""
     switches = mechanisms(objective_name, cfg)
     if not plan or not switches:
         return {}
@@ -124,9 +126,9 @@ def mechanism_effects(model, batch, old, adv: torch.Tensor, plan: list, objectiv
         idx = micro.to(adv.device)
         mask, tokens = batch.completion_mask[idx], batch.completion_ids[idx]         # [b, T]
         with torch.enable_grad():
-            logits = completion_logits(model, batch, micro, args)                    # [b, T, V]
-            logp = token_logprobs(logits, tokens, args.temperature)                   # [b, T]
-        entropy = token_entropy(logits.detach(), args.temperature) if tepo.needs_entropy(objective_name, cfg) \
+            logits = completion_logits(model, batch, micro, settings.precision, settings.prompt_once)  # [b, T, V]
+            logp = token_logprobs(logits, tokens, settings.temperature)               # [b, T]
+        entropy = token_entropy(logits.detach(), settings.temperature) if tepo.needs_entropy(objective_name, cfg) \
             else None
         inputs = dict(ref_logp=old.ref_logp[idx] if old.ref_logp is not None else None, entropy=entropy,
                       old_entropy=old.entropy[idx] if entropy is not None else None, **mb_counts)

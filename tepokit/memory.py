@@ -14,14 +14,15 @@ import torch
 import tepo
 from tepokit import sampling
 from tepokit.cli import objective_config, run_settings
-from tepokit.entropy_check import ENTROPY_CHECK_MAX_POSITIONS, checked_rows
+from tepokit.entropy_check import ENTROPY_CHECK_MAX_POSITIONS
 from tepokit.errors import fail
-from tepokit.forward import LOGITS_CHUNK_BYTES, rows_per_forward
+from tepokit.forward import LOGITS_CHUNK_BYTES
 from tepokit.hub import cannot_load, use_offline_hub_if_unreachable
 from tepokit.model import builtin_tokenizer, pick_device, tiny_model_config
 from tepokit.rundir import read_log, write_json
 from tepokit.cuda_graph import static_generation
-from tepokit.sampling import STATIC_CACHE_MODEL_TYPES, recompute_old_logprobs, sampler_logprobs_wanted, uses_loop
+from tepokit.sampling import STATIC_CACHE_MODEL_TYPES, uses_loop
+from tepokit.step_settings import step_settings
 from tepokit.task import format_prompt, load_task
 
 
@@ -117,17 +118,18 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
     N, H, L, V, kv, inner = m["n_params"], m["H"], m["L"], m["V"], m["kv"], m["I"]
     a = 2 if args.precision == "bf16" else 4             # bytes of a linear layer's output (bf16 under autocast)
     k = 4 + a                                             # a key and a value: RoPE's fp32 cos/sin keep keys fp32
-    b = rows_per_forward(args)                            # rows per forward and backward
+    settings = step_settings(args, config)                # as the run resolves them
+    b = settings.rows_per_forward                         # rows per forward and backward
     R = args.prompts_per_step * args.group_size          # rows of a rollout
     P, T = args.max_prompt_tokens, args.max_new_tokens
     S = P + T                                             # longest sequence
     ckpt = args.gradient_checkpointing
     whole_sequences = ckpt or not args.fast      # completion_logits without its twin: a forward of each row's sequence
-    loop = uses_loop(args, config)
-    static = static_generation(args, device_type)          # the KV cache preallocated (tepokit/cuda_graph.py)
+    loop = uses_loop(config, args.fast, args.sampler)
+    static = static_generation(args.fast, args.cuda_graphs, device_type)   # the KV cache preallocated (cuda_graph.py)
     static_cache = static and not loop and config.model_type in STATIC_CACHE_MODEL_TYPES
-    recompute = recompute_old_logprobs(args, config)
-    rows_checked = checked_rows(args) if args.entropy_check_every <= args.steps else 0
+    recompute = settings.recompute
+    rows_checked = settings.checked_rows if args.entropy_check_every <= args.steps else 0
     n_checked = min(rows_checked * T, ENTROPY_CHECK_MAX_POSITIONS)        # positions the entropy check keeps
     copies = {"bf16 weight copies (autocast)": 2 * N if args.precision == "bf16" else 0}
     mlp = (3 if m["gated"] else 2) * inner * a           # a no-grad MLP's live outputs, per token
@@ -256,7 +258,7 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
     eval_rows = min(args.n_test, R)
     pass_k_prompts = min(args.pass_k_problems, args.n_test, max(1, R // args.pass_k))
     moments = {"generation": rollout(args.prompts_per_step, args.group_size,
-                                     stacked=not loop and not static_cache and sampler_logprobs_wanted(args, config),
+                                     stacked=not loop and not static_cache and settings.sampler_logprobs,
                                      kept=not recompute and rows_checked > 0),
                "evaluation": rollout(eval_rows, 1, False, False) + rollout(pass_k_prompts, args.pass_k, False, False),
                "old log-probs": old_logprobs(), "update": update(), "entropy check": entropy_check()}

@@ -351,6 +351,22 @@ def truncate_log(path: str, first_step: int) -> None:
     write_atomically(path, lambda f: f.write("".join(to_json(r) + "\n" for r in kept).encode()))
 
 
+def start_logs(run_dir: str, config: dict, logs: list[str]) -> None:
+    """A fresh run: its config.json (what --resume reads back) and its logs, created empty."""
+    write_json(os.path.join(run_dir, "config.json"), config)
+    for path in logs:
+        open(path, "w").close()
+
+
+def resume_from_checkpoint(run_dir: str, model, optimizer, logs: list[str]) -> int:
+    """A resumed run: the model, optimizer and RNG states of its checkpoint.pt loaded, and its logs cut back to
+    the rows before the checkpoint's next step (truncate_log). Returns that step, the first one to run."""
+    first_step = load_checkpoint(run_dir, model, optimizer) + 1
+    for path in logs:
+        truncate_log(path, first_step)
+    return first_step
+
+
 def run_name(args) -> str:
     task = args.task if args.dataset is None else os.path.basename(args.dataset.rstrip("/")).replace(".jsonl", "")
     return f"{task}__{args.objective}__{args.seed}__{time.strftime('%Y%m%d-%H%M%S')}"

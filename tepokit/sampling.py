@@ -42,40 +42,41 @@ from tepokit.model import eos_ids_of
 STACKED_LOGITS_MAX_BYTES = 2**30
 
 
-def uses_loop(args, config) -> bool:
+def uses_loop(config, fast: bool, sampler: str) -> bool:
     """Does the run sample with sample_gpt2? --fast and --sampler loop (the defaults) and a plain GPT-2 config
     (what sample_gpt2 computes, layer by layer; AutoModelForCausalLM makes a GPT2LMHeadModel of it)."""
-    return (args.fast and args.sampler == "loop" and config.model_type == "gpt2" and config.scale_attn_weights
+    return (fast and sampler == "loop" and config.model_type == "gpt2" and config.scale_attn_weights
             and not config.scale_attn_by_inverse_layer_idx and not config.reorder_and_upcast_attn
             and not config.add_cross_attention)
 
 
-def stacked_logits_bytes(args, config) -> int:
-    """Bytes of generate's stacked logits [B, T, V] for one rollout (0 with the loop: it needs none)."""
-    if uses_loop(args, config):
+def stacked_logits_bytes(rollout_rows: int, max_new_tokens: int, vocab_size: int, loop: bool) -> int:
+    """Bytes of generate's stacked logits [B, T, V] float32 for one rollout of B rows; 0 with the loop (loop:
+    uses_loop), which stacks none."""
+    if loop:
         return 0
-    return args.prompts_per_step * args.group_size * args.max_new_tokens * config.vocab_size * 4
+    return rollout_rows * max_new_tokens * vocab_size * 4
 
 
-def recompute_old_logprobs(args, config) -> bool:
+def recompute_old_logprobs(fast: bool, asked: bool | None, precision: str, loop: bool) -> bool:
     """Are the old log-probs recomputed by a forward pass after the rollout (the plain path), rather than the
-    sampler's (their fast twin)? Always with --no-fast; else --recompute-old-logprobs; unset: yes in bf16 (the
-    sampler's and the training forward's log-probs then differ by bf16's rounding, as much as an update changes
-    them) and with generate (its log-probs need the logits of every step, [B, T, V], which grow with the
-    rollout); no with the loop in fp32, whose log-probs cost nothing."""
-    if not args.fast:
+    sampler's (their fast twin)? Always with --no-fast; else as asked (--recompute-old-logprobs); unset: yes in bf16
+    (the sampler's and the training forward's log-probs then differ by bf16's rounding, as much as an update
+    changes them) and with generate (its log-probs need the logits of every step, [B, T, V], which grow with the
+    rollout); no with the loop (loop: uses_loop) in fp32, whose log-probs cost nothing."""
+    if not fast:
         return True
-    if args.recompute_old_logprobs is not None:
-        return args.recompute_old_logprobs
-    return args.precision == "bf16" or not uses_loop(args, config)
+    if asked is not None:
+        return asked
+    return precision == "bf16" or not loop
 
 
-def sampler_logprobs_wanted(args, config) -> bool:
-    """Must the sampler give log-probs and entropies? When they are the old ones, or for the sampling
-    check (--check-sampling-logprobs: sampled against recomputed) when they are cheap; never with --no-fast
-    (the plain path's model.generate gives tokens only)."""
-    return args.fast and (not recompute_old_logprobs(args, config) or (
-        args.check_sampling_logprobs and stacked_logits_bytes(args, config) <= STACKED_LOGITS_MAX_BYTES))
+def sampler_logprobs_wanted(fast: bool, recompute: bool, check_sampling_logprobs: bool, stacked_bytes: int) -> bool:
+    """Must the sampler give log-probs and entropies? When they are the old ones (not recompute), or for the
+    sampling check (--check-sampling-logprobs: sampled against recomputed) when they are cheap: when the logits
+    it stacks for them (stacked_bytes, stacked_logits_bytes) are within STACKED_LOGITS_MAX_BYTES; never with
+    --no-fast (the plain path's model.generate gives tokens only)."""
+    return fast and (not recompute or (check_sampling_logprobs and stacked_bytes <= STACKED_LOGITS_MAX_BYTES))
 
 
 def logprob_and_entropy(logits: torch.Tensor, token: torch.Tensor, temperature: float) -> tuple:
@@ -320,17 +321,19 @@ def sample_static_cache(model, prompt_ids, prompt_mask, group_size: int, max_new
                          eos_ids, pad_id, greedy, keep_logits_rows, end_check_every(capture, device))
 
 
-def sample(model, prompt_ids, prompt_mask, group_size: int, args, device, greedy: bool = False,
-           keep_logits_rows: int = 0, want_logprobs: bool = False) -> dict:
+def sample(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens: int, temperature: float,
+           precision: str, sampler: str, cuda_graphs: str, greedy: bool = False, keep_logits_rows: int = 0,
+           want_logprobs: bool = False) -> dict:
     """The rollout's completions, the fast twin of generate_group's model.generate (train_small.py, --fast):
-    sample_gpt2 when the model is GPT-2-shaped, else sample_generate, or with --cuda-graphs their static-cache
-    forms, under the run's precision. The result's tensors are sample_gpt2's."""
-    settings = dict(group_size=group_size, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+    sample_gpt2 when the model is GPT-2-shaped and --sampler is loop, else sample_generate, or with --cuda-graphs
+    their static-cache forms, under the run's --precision. The result's tensors are sample_gpt2's."""
+    device = prompt_ids.device
+    settings = dict(group_size=group_size, max_new_tokens=max_new_tokens, temperature=temperature,
                     eos_ids=eos_ids_of(model), pad_id=model.generation_config.pad_token_id, greedy=greedy,
                     keep_logits_rows=keep_logits_rows)
-    static = static_generation(args, device.type)
-    with autocast(device, args.precision):
-        if uses_loop(args, model.config):
+    static = static_generation(fast=True, cuda_graphs=cuda_graphs, device_type=device.type)   # sample: --fast
+    with autocast(device, precision):
+        if uses_loop(model.config, fast=True, sampler=sampler):
             return sample_gpt2(model, prompt_ids, prompt_mask, static=static, capture=static, **settings)
         problem = static_cache_problem(model) if static else None
         if static and problem is None:

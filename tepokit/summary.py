@@ -1,10 +1,13 @@
-"""What a run says about itself: summary.json and the block that ends a run, and the evaluation line that
-stays on screen, each accuracy with its 95% interval over the problems actually evaluated."""
+"""What a run says about itself: summary.json and the block that ends a run, its progress bar (Progress) and the
+evaluation line that stays on screen above it, each accuracy with its 95% interval over the problems actually
+evaluated."""
 
 from __future__ import annotations
 
 import math
 import os
+
+from tqdm.auto import tqdm
 
 from tepokit.rundir import write_json
 from tepokit.stats import MIN_STEPS_FOR_R, accuracy_auc, pearson, wald_half_width
@@ -105,6 +108,31 @@ def evaluation_line(row: dict, args, entropies: list[float]) -> str:
     first = step - len(entropies) + 1
     steps = f"step {step}" if first == step else f"steps {first}-{step}"
     return text + f", entropy {sum(entropies) / len(entropies):.3f} (mean of {steps})"
+
+
+class Progress:
+    """A run's progress bar over its steps (`for step in Progress(...)`), each step's reward and entropy on it, and
+    at each evaluation a line that stays on screen above it (evaluation_line)."""
+
+    def __init__(self, first_step: int, last_step: int, args):
+        self.bar = tqdm(range(first_step, last_step + 1), initial=first_step - 1, total=last_step,
+                        desc=f"{args.objective} seed {args.seed}", dynamic_ncols=True)
+        self.args = args
+        self.entropies = []            # of the rollouts since the last evaluation line: it shows their mean
+
+    def __iter__(self):
+        return iter(self.bar)
+
+    def show(self, row: dict) -> None:
+        """A step's metrics row: its reward and entropy on the bar; the evaluation line if it has an evaluation."""
+        self.bar.set_postfix({"reward": f"{row['reward']:.2f}", "H": f"{row['entropy']:.3f}"})
+        self.entropies.append(row["entropy"])
+        if "eval/accuracy" in row:
+            self.bar.write(evaluation_line(row, self.args, self.entropies))
+            self.entropies = []
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def print_summary(summary: dict, rows: list[dict], args, wall: float) -> None:

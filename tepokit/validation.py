@@ -224,7 +224,7 @@ RELATIONS = [
      lambda a: a.mini_batches <= a.prompts_per_step),
     ("micro_batch_size", "0 (the whole mini-batch) or an integer up to {rows_per_minibatch}, the rows of a "
      "mini-batch (ceil(prompts-per-step / mini-batches) x group-size)",
-     lambda a: a.micro_batch_size <= rows_per_minibatch(a)),
+     lambda a: a.micro_batch_size <= rows_per_minibatch(a.prompts_per_step, a.mini_batches, a.group_size)),
     ("n_test", "an integer below {builtin_task_size}, the number of problems of the built-in task at this "
      "--difficulty and --ops", lambda a: a.dataset is not None or a.n_test < builtin_task_size(a)),
     ("seed", f"an integer with --seed + --seeds - 1 <= {INT_LIMIT}", lambda a: a.seed + a.seeds - 1 <= INT_LIMIT),
@@ -337,7 +337,8 @@ def check_values(args, obj_overrides: dict, given: set[str] | None = None) -> No
     if not args.fast and args.sampler == "loop" and given is not None and "sampler" in given:   # not the default
         fail("argument --sampler: invalid value 'loop'; choose generate with --no-fast (the plain path samples with "
              "model.generate), or drop --no-fast")
-    sizes = {"rows_per_minibatch": rows_per_minibatch(args), "builtin_task_size": builtin_task_size(args)}
+    sizes = {"rows_per_minibatch": rows_per_minibatch(args.prompts_per_step, args.mini_batches, args.group_size),
+             "builtin_task_size": builtin_task_size(args)}
     for name, valid, test in RELATIONS:
         if not test(args):
             fail(f"argument {flag(name)}: invalid value {getattr(args, name)!r}{not_given(args, name, given)}; choose "

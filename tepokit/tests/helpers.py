@@ -20,6 +20,7 @@ import train_small as ts
 from tepokit.cli import objective_config, parse_args
 from tepokit.report import Trackers
 from tepokit.rundir import save_checkpoint
+from tepokit.step_settings import step_settings
 
 
 REPO = str(Path(__file__).resolve().parents[2])      # the repository root
@@ -61,12 +62,14 @@ def without_timing(rows):
 def micro_run(model, tokenizer, args, objective, ref_model=None, lr=1e-3, recompute=True, **overrides):
     """A ts.Run around a model built in the test (no run directory, no task). recompute: old log-probs
     by a forward pass (batches made by hand have no sampler log-probs), or the sampler's."""
-    return ts.Run(args=dataclasses.replace(args, objective=objective), cfg=tepo.config_for(objective, **overrides),
+    args = dataclasses.replace(args, objective=objective)
+    settings = dataclasses.replace(step_settings(args, model.config), recompute=recompute, sampler_logprobs=True)
+    return ts.Run(args=args, cfg=tepo.config_for(objective, **overrides),
                   objective=tepo.OBJECTIVES[objective], device=torch.device("cpu"), run_dir="", lock=None,
                   identity={}, model=model, ref_model=ref_model, tokenizer=tokenizer,
                   optimizer=torch.optim.Adam(model.parameters(), lr=lr), train_set=None, test_set=None,
                   first_step=1, details_path=None,
-                  recompute=recompute, sampler_logprobs=True, trackers=Trackers([], "", {}))
+                  settings=settings, trackers=Trackers([], "", {}))
 
 
 def hand_batch(vocab: int, rows: int, prompt: int, completion: int, seed: int = 0):

@@ -8,6 +8,7 @@ import tepo
 import tepokit.forward
 import train_small as ts
 from tepokit.forward import completion_logits, completion_logits_prompt_once, token_logprobs
+from tepokit.step_settings import step_settings
 from tepokit.model import build_char_tokenizer
 from tepokit.tests.helpers import F64, assert_close
 
@@ -51,15 +52,18 @@ def test_the_prompt_once_twin_gives_the_logits_and_gradient_of_one_forward_per_r
     valid = batch.completion_mask[rows].bool()
     weights = torch.randn(len(rows), 6, len(tok), dtype=torch.float64)
     results = []
-    for forward in (lambda: completion_logits(model, batch, rows, ts.Args(fast=False)),
-                    lambda: completion_logits_prompt_once(model, batch, rows, ts.Args())):
+    for forward in (lambda: completion_logits(model, batch, rows, "fp32", prompt_once=False),
+                    lambda: completion_logits_prompt_once(model, batch, rows, "fp32")):
         logits = forward()
         loss = (logits * weights * valid[..., None]).sum()
         results.append((logits.detach(), torch.autograd.grad(loss, list(model.parameters()))))
     (reference, reference_grad), (shared, shared_grad) = results
     with torch.no_grad():       # which one completion_logits runs: the twin with --fast, bit for bit
-        assert torch.equal(completion_logits(model, batch, rows, ts.Args()), shared)
-        assert torch.equal(completion_logits(model, batch, rows, ts.Args(gradient_checkpointing=True)), reference)
+        for args, expected in ((ts.Args(), shared), (ts.Args(gradient_checkpointing=True), reference),
+                               (ts.Args(fast=False), reference)):
+            settings = step_settings(args, model.config)          # prompt_once, as the run resolves it
+            assert torch.equal(completion_logits(model, batch, rows, settings.precision, settings.prompt_once),
+                               expected)
     assert shared.shape == reference.shape == (8, 6, len(tok))
     assert (shared - reference).abs()[valid].max() < 1e-10
     scale = max(g.abs().max() for g in reference_grad)

@@ -9,6 +9,7 @@ import torch
 import tepo
 import train_small as ts
 from tepokit.mechanisms import OFF, effect_check_interval, mechanism_effects, mechanisms
+from tepokit.step_settings import step_settings
 from tepokit.tests.helpers import F64, MICRO, hand_batch, micro_run, read_rows, run_main, without_timing
 from tepokit.tests.test_train_small import float64_gpt2
 
@@ -17,28 +18,29 @@ VOCAB, ROWS = 23, 16
 
 def rollout_and_old_policy(objective, cfg, drift: float, seed: int = 0):
     """A float64 model, a hand-made rollout of 4 groups of 4, advantages, the plan of one epoch of 2 mini-batches,
-    and an old policy whose log-probs are the model's own plus `drift` x noise (0: exactly on-policy); the
-    reference model is the policy with its weights perturbed."""
+    an old policy whose log-probs are the model's own plus `drift` x noise (0: exactly on-policy), and the run's
+    StepSettings; the reference model is the policy with its weights perturbed."""
     model = float64_gpt2(vocab=VOCAB)
     batch = hand_batch(VOCAB, rows=ROWS, prompt=5, completion=6, seed=seed)
     args = ts.Args(group_size=4, prompts_per_step=4, mini_batches=2, max_new_tokens=6, temperature=0.9,
                    objective=objective)
+    settings = step_settings(args, model.config)
     g = torch.Generator().manual_seed(seed)
     adv = torch.randn(ROWS, generator=g, dtype=F64)
-    plan = ts.minibatch_plan(torch.ones(ROWS, dtype=torch.bool), args)
+    plan = ts.minibatch_plan(torch.ones(ROWS, dtype=torch.bool), args, settings.rows_per_forward)
     rows = torch.arange(ROWS)
     with torch.no_grad():
-        logits = ts.completion_logits(model, batch, rows, args)
+        logits = ts.completion_logits(model, batch, rows, settings.precision, settings.prompt_once)
         logp = ts.token_logprobs(logits, batch.completion_ids, args.temperature)
         entropy = ts.token_entropy(logits, args.temperature)
         ref = copy.deepcopy(model)
         for p in ref.parameters():
             p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=F64))
-        ref_logp = ts.token_logprobs(ts.completion_logits(ref, batch, rows, args), batch.completion_ids,
-                                     args.temperature)
+        ref_logp = ts.token_logprobs(ts.completion_logits(ref, batch, rows, settings.precision, settings.prompt_once),
+                                     batch.completion_ids, args.temperature)
     old = ts.OldPolicy(logp=logp + drift * torch.randn(logp.shape, generator=g, dtype=F64), entropy=entropy,
                        ref_logp=ref_logp, entropy_check_positions=None)
-    return model, batch, adv, plan, old, args
+    return model, batch, adv, plan, old, settings
 
 
 # (objective, the mechanism, settings under which it acts off-policy)
@@ -59,8 +61,8 @@ def test_each_mechanism_changes_the_update_where_it_acts_and_nothing_where_it_is
                                                                                               acting):
     for settings, acts in ((acting, True), ({**acting, **SWITCHED_OFF[mechanism]}, False)):
         cfg = tepo.config_for(objective, **settings)
-        model, batch, adv, plan, old, args = rollout_and_old_policy(objective, cfg, drift=0.5)
-        effects = mechanism_effects(model, batch, old, adv, plan, objective, cfg, args, seed=1)
+        model, batch, adv, plan, old, resolved = rollout_and_old_policy(objective, cfg, drift=0.5)
+        effects = mechanism_effects(model, batch, old, adv, plan, objective, cfg, resolved, seed=1)
         change, tokens = effects[f"effect/{mechanism}/update_change"], effects[f"effect/{mechanism}/tokens"]
         if acts:
             assert change > 1e-3 and tokens > 0, (settings, effects)
@@ -75,8 +77,8 @@ def test_on_policy_no_ratio_mechanism_acts(objective):
     """At ratio 1 (the rollout's first mini-batch) the clip, KL-Cov's penalty and TEPO's mask (target old) change
     nothing: each is exactly 0. The reference KL is not a ratio mechanism and still acts (GRPO's beta)."""
     cfg = tepo.config_for(objective)
-    model, batch, adv, plan, old, args = rollout_and_old_policy(objective, cfg, drift=0.0)
-    effects = mechanism_effects(model, batch, old, adv, plan, objective, cfg, args, seed=1)
+    model, batch, adv, plan, old, resolved = rollout_and_old_policy(objective, cfg, drift=0.0)
+    effects = mechanism_effects(model, batch, old, adv, plan, objective, cfg, resolved, seed=1)
     for name in set(mechanisms(objective, cfg)) - {"kl_ref"}:
         assert effects[f"effect/{name}/update_change"] == 0 and effects[f"effect/{name}/tokens"] == 0, name
     if objective == "grpo":            # beta 0.04 in its paper settings
@@ -89,9 +91,9 @@ def test_update_change_is_the_relative_distance_of_two_backward_passes(objective
     loss.backward() of the objective on the last mini-batch, with the mechanism on and switched off (float64,
     aggregated as the update aggregates it), and it leaves the parameters' .grad and the RNG untouched."""
     cfg = tepo.config_for(objective, **acting)
-    model, batch, adv, plan, old, args = rollout_and_old_policy(objective, cfg, drift=0.5)
+    model, batch, adv, plan, old, resolved = rollout_and_old_policy(objective, cfg, drift=0.5)
     state = torch.get_rng_state()
-    effects = mechanism_effects(model, batch, old, adv, plan, objective, cfg, args, seed=7)
+    effects = mechanism_effects(model, batch, old, adv, plan, objective, cfg, resolved, seed=7)
     assert torch.equal(torch.get_rng_state(), state)
     assert all(p.grad is None for p in model.parameters())
 
@@ -102,8 +104,8 @@ def test_update_change_is_the_relative_distance_of_two_backward_passes(objective
             counts = dict(num_tokens=batch.completion_mask[rows].sum().item(), num_seqs=float(len(rows)))
             for micro in micro_batches:
                 torch.manual_seed(7)       # Clip-Cov's draw: each micro-batch's from the seed, as mechanism_effects
-                logp = ts.token_logprobs(ts.completion_logits(model, batch, micro, args), batch.completion_ids[micro],
-                                         args.temperature)
+                logits = ts.completion_logits(model, batch, micro, resolved.precision, resolved.prompt_once)
+                logp = ts.token_logprobs(logits, batch.completion_ids[micro], resolved.temperature)
                 loss, _ = tepo.OBJECTIVES[objective](logp, old.logp[micro], adv[micro], batch.completion_mask[micro],
                                                      config, ref_logp=old.ref_logp[micro], **counts)
                 loss.backward()
@@ -119,10 +121,11 @@ def test_update_change_is_the_relative_distance_of_two_backward_passes(objective
 
 
 def test_the_effects_are_measured_every_4th_step_on_the_built_in_model_and_only_when_asked_with_a_model():
-    assert effect_check_interval(ts.Args()) == 4
-    assert effect_check_interval(ts.Args(model="Qwen/Qwen2.5-0.5B-Instruct")) == 0
-    assert effect_check_interval(ts.Args(model="gpt2", effect_check_every=8)) == 8
-    assert effect_check_interval(ts.Args(effect_check_every=0)) == 0
+    unset = ts.Args().effect_check_every                      # --effect-check-every not given; --model unset: None
+    assert effect_check_interval(unset, None) == 4
+    assert effect_check_interval(unset, "Qwen/Qwen2.5-0.5B-Instruct") == 0
+    assert effect_check_interval(8, "gpt2") == 8
+    assert effect_check_interval(0, None) == 0
 
 
 def test_the_table_switches_off_one_setting_and_lists_every_objectives_mechanisms():

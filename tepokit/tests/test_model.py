@@ -75,7 +75,8 @@ def test_dropout_settings_are_off_also_in_train_mode_with_checkpointing(tmp_path
     batch = hand_batch(len(tok), rows=8, prompt=4, completion=6)
     # control: as loaded by transformers, train() mode applies the dropout: two forwards differ
     raw = AutoModelForCausalLM.from_pretrained(tmp_path).train()
-    first, second = (completion_logits(raw, batch, torch.arange(8), args) for _ in range(2))
+    first, second = (completion_logits(raw, batch, torch.arange(8), args.precision, prompt_once=False)  # checkpointing
+                     for _ in range(2))
     assert (first - second).abs().max() > 1e-3
     model, tokenizer = load_policy(str(tmp_path), args, torch.device("cpu"))
     assert model.config.attention_dropout == 0.0 and model.is_gradient_checkpointing
@@ -83,7 +84,7 @@ def test_dropout_settings_are_off_also_in_train_mode_with_checkpointing(tmp_path
                and isinstance(v, float))
     run = micro_run(model, tokenizer, args, "grpo", beta=0.0)
     adv, keep = torch.randn(8), torch.ones(8, dtype=torch.bool)
-    plan = ts.minibatch_plan(keep, args)
+    plan = ts.minibatch_plan(keep, args, run.settings.rows_per_forward)
     old, _ = ts.rollout_statistics(run, batch, adv, plan)
     metrics, _, _ = ts.update_policy(run, batch, old, adv, plan)
     assert metrics["logprobs/first_minibatch_max_abs_log_ratio"] == 0.0

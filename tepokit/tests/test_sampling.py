@@ -14,7 +14,8 @@ from tepokit.forward import completion_logits
 from tepokit.model import (START_MODEL_DIR, build_char_tokenizer, build_tiny_model, load_policy, tiny_model_config,
                            use_fused_gelu)
 from tepokit.sampling import (STACKED_LOGITS_MAX_BYTES, recompute_old_logprobs, sample_generate, sample_gpt2,
-                              sampler_logprobs_wanted, uses_loop)
+                              sampler_logprobs_wanted, stacked_logits_bytes, uses_loop)
+from tepokit.step_settings import step_settings
 from tepokit.task import make_arithmetic_task
 
 QUESTIONS = ["Ann has 3 pens and 4 more. How many?", "a?", "Bob has 12345 pens and 6789 more. How many pens?"]
@@ -80,7 +81,7 @@ def test_the_kept_logits_are_a_full_forwards_at_the_completion_positions():
                        prompt_mask=enc.attention_mask.repeat_interleave(4, 0),
                        completion_ids=loop["completion_ids"],
                        completion_mask=ts.completion_mask(loop["completion_ids"], eos), truncated=None)
-    full = completion_logits(model, batch, torch.arange(5), ts.Args())                   # [5, T, V]
+    full = completion_logits(model, batch, torch.arange(5), "fp32", prompt_once=True)     # [5, T, V]
     valid = batch.completion_mask[:5].bool()
     assert loop["logits"].shape == full.shape
     assert (loop["logits"] - full).abs()[valid].max() < 1e-4
@@ -102,8 +103,8 @@ def test_float64_and_bf16():
     batch = ts.Rollout(prompt_ids=enc.input_ids.repeat_interleave(4, 0),
                        prompt_mask=enc.attention_mask.repeat_interleave(4, 0),
                        completion_ids=loop64["completion_ids"], completion_mask=mask.long(), truncated=None)
-    recomputed = tepo.token_logprobs_from_logits(completion_logits(model64, batch, torch.arange(12), ts.Args()),
-                                                 loop64["completion_ids"], 0.7)      # generate's logits are float32
+    logits = completion_logits(model64, batch, torch.arange(12), "fp32", prompt_once=True)
+    recomputed = tepo.token_logprobs_from_logits(logits, loop64["completion_ids"], 0.7)   # generate's are float32
     assert (loop64["logp"] - recomputed).abs()[mask].max() < 1e-10
     greedy32, _ = both(model, tok, enc, eos, greedy=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -200,28 +201,34 @@ def test_which_models_the_loop_covers_and_when_the_old_logprobs_are_recomputed()
     gpt2 = GPT2Config(vocab_size=57, n_embd=32, n_layer=1, n_head=2)
     qwen = Qwen2Config(vocab_size=151_936, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                        num_attention_heads=2, num_key_value_heads=2)
-    assert uses_loop(args, gpt2) and not uses_loop(args, qwen)
-    assert not uses_loop(dataclasses.replace(args, sampler="generate"), gpt2)
-    assert not uses_loop(args, GPT2Config(scale_attn_by_inverse_layer_idx=True))
+    assert uses_loop(gpt2, args.fast, args.sampler) and not uses_loop(qwen, args.fast, args.sampler)
+    assert not uses_loop(gpt2, args.fast, "generate")
+    assert not uses_loop(GPT2Config(scale_attn_by_inverse_layer_idx=True), args.fast, args.sampler)
+
+    def resolved(config, **flags):          # as the run resolves them from its flags and its model's config
+        return step_settings(dataclasses.replace(args, **flags), config)
     # fp32 with the loop: the sampler's log-probs; bf16: recomputed; the flag wins either way
-    assert not recompute_old_logprobs(args, gpt2) and sampler_logprobs_wanted(args, gpt2)
-    assert recompute_old_logprobs(dataclasses.replace(args, precision="bf16"), gpt2)
-    assert recompute_old_logprobs(dataclasses.replace(args, recompute_old_logprobs=True), gpt2)
-    assert not recompute_old_logprobs(dataclasses.replace(args, precision="bf16", recompute_old_logprobs=False), gpt2)
+    assert not resolved(gpt2).recompute and resolved(gpt2).sampler_logprobs
+    assert resolved(gpt2, precision="bf16").recompute
+    assert resolved(gpt2, recompute_old_logprobs=True).recompute
+    assert not resolved(gpt2, precision="bf16", recompute_old_logprobs=False).recompute
     # generate: recomputed (its log-probs need [B, T, V]); for the sampling check only when that is small
-    assert recompute_old_logprobs(args, qwen)
-    big = dataclasses.replace(args, max_new_tokens=256)
-    assert 128 * 256 * 151_936 * 4 > STACKED_LOGITS_MAX_BYTES and not sampler_logprobs_wanted(big, qwen)
-    small = dataclasses.replace(args, prompts_per_step=1, group_size=2, max_new_tokens=8)
-    assert sampler_logprobs_wanted(small, qwen)
-    assert not sampler_logprobs_wanted(dataclasses.replace(small, check_sampling_logprobs=False), qwen)
-    assert sampler_logprobs_wanted(dataclasses.replace(big, recompute_old_logprobs=False), qwen)   # asked for
+    assert resolved(qwen).recompute
+    big = dict(max_new_tokens=256)
+    assert 128 * 256 * 151_936 * 4 > STACKED_LOGITS_MAX_BYTES and not resolved(qwen, **big).sampler_logprobs
+    assert stacked_logits_bytes(128, 256, 151_936, loop=False) == 128 * 256 * 151_936 * 4
+    assert stacked_logits_bytes(128, 256, 151_936, loop=True) == 0
+    small = dict(prompts_per_step=1, group_size=2, max_new_tokens=8)
+    assert resolved(qwen, **small).sampler_logprobs
+    assert not resolved(qwen, **small, check_sampling_logprobs=False).sampler_logprobs
+    assert resolved(qwen, **big, recompute_old_logprobs=False).sampler_logprobs   # asked for
     # --no-fast: the plain path everywhere, whatever the finer switches say
-    plain = dataclasses.replace(args, fast=False)
-    assert not uses_loop(plain, gpt2) and recompute_old_logprobs(plain, gpt2)
-    assert not sampler_logprobs_wanted(plain, gpt2)
-    assert not sampler_logprobs_wanted(dataclasses.replace(small, fast=False), qwen)
-    assert not static_generation(dataclasses.replace(plain, cuda_graphs="on"), "cuda")
+    assert not uses_loop(gpt2, False, "loop") and resolved(gpt2, fast=False).recompute
+    assert recompute_old_logprobs(False, False, "fp32", loop=True)
+    assert not resolved(gpt2, fast=False).sampler_logprobs
+    assert not resolved(qwen, **small, fast=False).sampler_logprobs
+    assert not sampler_logprobs_wanted(False, recompute=False, check_sampling_logprobs=True, stacked_bytes=0)
+    assert not static_generation(False, "on", "cuda")
 
 
 def test_generate_group_plain_and_its_twins_give_the_same_rollout():

@@ -34,9 +34,9 @@ def settings(tok, eos, **changes) -> dict:
     return dict(group_size=4, max_new_tokens=12, temperature=0.7, eos_ids=eos, pad_id=tok.pad_token_id) | changes
 
 
-def seeded(sampler, *args, seed=5, **kwargs) -> dict:
+def seeded(sampling_function, *args, seed=5, **kwargs) -> dict:
     torch.manual_seed(seed)
-    return sampler(*args, **kwargs)
+    return sampling_function(*args, **kwargs)
 
 
 def assert_same_sampling(ours: dict, theirs: dict, eos, tolerance: float) -> None:
@@ -163,18 +163,17 @@ def test_bf16_static_cache_loop_is_todays_loop_to_bf16_rounding():
 def test_the_switch_and_its_one_line_fallbacks():
     """auto: the static path on CUDA only; on: everywhere (on the CPU it says once, in one line, that the step
     runs eagerly); off: never. A model the static cache was not tested on goes through generate, said once."""
-    assert [static_generation(ts.Args(cuda_graphs=v), d) for v in ("auto", "on", "off") for d in ("cuda", "cpu")] \
+    assert [static_generation(True, v, d) for v in ("auto", "on", "off") for d in ("cuda", "cpu")] \
         == [True, False, True, True, False, False]
     model, tok, enc, eos = tiny()
     cuda_graph.WARNED.clear()
-    args = ts.Args(cuda_graphs="on", max_new_tokens=12, temperature=0.7)
+    common = dict(max_new_tokens=12, temperature=0.7, precision="fp32")
     stderr = io.StringIO()
     with redirect_stderr(stderr):
-        on = [seeded(sample, model, enc.input_ids, enc.attention_mask, 4, args, torch.device("cpu"))
+        on = [seeded(sample, model, enc.input_ids, enc.attention_mask, 4, sampler="loop", cuda_graphs="on", **common)
               for _ in range(2)]
     assert stderr.getvalue().count("\n") == 1 and "CUDA graphs need a GPU" in stderr.getvalue()
-    off = seeded(sample, model, enc.input_ids, enc.attention_mask, 4, ts.Args(cuda_graphs="off", max_new_tokens=12,
-                                                                                temperature=0.7), torch.device("cpu"))
+    off = seeded(sample, model, enc.input_ids, enc.attention_mask, 4, sampler="loop", cuda_graphs="off", **common)
     assert torch.equal(on[0]["completion_ids"], off["completion_ids"])
     assert torch.equal(on[1]["completion_ids"], off["completion_ids"])
     # GPT-2 through generate (--sampler generate): no static cache for it, one line, generate's result
@@ -184,10 +183,9 @@ def test_the_switch_and_its_one_line_fallbacks():
     sliding.config.layer_types = ["sliding_attention", "full_attention"]
     assert static_cache_problem(sliding) == "sliding-window attention layers"
     stderr = io.StringIO()
-    generate_args = ts.Args(cuda_graphs="on", sampler="generate", max_new_tokens=12, temperature=0.7)
     with redirect_stderr(stderr):
-        through_generate = seeded(sample, model, enc.input_ids, enc.attention_mask, 4, generate_args,
-                                  torch.device("cpu"))
+        through_generate = seeded(sample, model, enc.input_ids, enc.attention_mask, 4, sampler="generate",
+                                  cuda_graphs="on", **common)
     assert stderr.getvalue().count("\n") == 1 and "runs through generate" in stderr.getvalue()
     assert torch.equal(through_generate["completion_ids"], off["completion_ids"])     # test_sampling: the same
 

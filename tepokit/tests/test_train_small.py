@@ -11,9 +11,9 @@ import torch
 
 import tepo
 import train_small as ts
-from tepokit.entropy_check import checked_rows
 from tepokit.model import build_char_tokenizer, build_tiny_model
 from tepokit.stats import accuracy_auc
+from tepokit.step_settings import step_settings
 from tepokit.summary import accuracy_with_interval
 from tepokit.tests.helpers import (F64, MICRO, assert_close, brute_force_pass_at_k, hand_batch, micro_run,
                                    read_details, read_rows, run_main, start_process, without_timing)
@@ -39,12 +39,13 @@ def test_the_samplers_logprobs_twin_equals_the_recomputed_old_logprobs():
     from transformers import GenerationConfig
     base.generation_config = GenerationConfig(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     questions = ["Ann has 3 pens. How many?", "a?", "Ann has 12345 pens and 6789 more. How many?"]
+    settings = step_settings(args, base.config)
     batch = ts.generate_group(base, tok, questions, 2, args, torch.device("cpu"), want_logprobs=True,
-                              keep_logits_rows=checked_rows(args))
+                              keep_logits_rows=settings.checked_rows)
     assert (batch.prompt_mask == 0).any()       # some rows really are left-padded
     adv = torch.randn(6)
     keep = torch.ones(6, dtype=torch.bool)
-    plan = ts.minibatch_plan(keep, args)
+    plan = ts.minibatch_plan(keep, args, settings.rows_per_forward)
     sampler = {key: getattr(batch, key).clone() for key in ("sampling_logp", "sampling_entropy")}
     results = {}
     for recompute in (True, False):
@@ -99,7 +100,8 @@ def test_the_fast_twins_make_the_plain_paths_update_over_epochs_and_micro_batche
     rows = batch.completion_ids.shape[0]                                       # 24
     adv = torch.randn(rows, dtype=F64, generator=torch.Generator().manual_seed(1))
     torch.manual_seed(2)
-    plan = ts.minibatch_plan(torch.ones(rows, dtype=torch.bool), args)              # drawn once, used by both
+    plan = ts.minibatch_plan(torch.ones(rows, dtype=torch.bool), args,              # drawn once, used by both
+                             step_settings(args, base.config).rows_per_forward)
     assert [[len(micro) for micro in minibatch] for minibatch in plan] == [[4, 2]] * 8
     first_minibatch = torch.zeros(rows, dtype=torch.bool)
     first_minibatch[torch.cat(plan[0])] = True
@@ -227,7 +229,7 @@ def test_micro_batches_accumulate_to_the_same_optimizer_steps(objective, overrid
         run = micro_run(model, None, args, objective, ref_model=ref, **overrides)
         run.optimizer = torch.optim.SGD(model.parameters(), lr=0.5)   # unlike Adam, sensitive to the gradient's scale
         torch.manual_seed(1)
-        plan = ts.minibatch_plan(keep, args)
+        plan = ts.minibatch_plan(keep, args, run.settings.rows_per_forward)
         assert [len(mb) for mb in plan] == ([1, 1] if micro == 0 else [4, 4])
         old, _ = ts.rollout_statistics(run, batch, adv, plan)
         metrics, old, _ = ts.update_policy(run, batch, old, adv, plan)
@@ -353,7 +355,7 @@ def test_entropy_coef_adds_the_bonus_to_the_objectives_loss_and_gradient(objecti
     losses, grads = [], []
     for coef in (0.0, 0.7):
         run = micro_run(model, None, args, objective, entropy_coef=coef, **overrides)
-        plan = ts.minibatch_plan(torch.ones(8, dtype=torch.bool), args)
+        plan = ts.minibatch_plan(torch.ones(8, dtype=torch.bool), args, run.settings.rows_per_forward)
         old, _ = ts.rollout_statistics(run, batch, adv, plan)
         counts = dict(num_tokens=batch.completion_mask.sum().item(), num_seqs=8.0)
         model.zero_grad(set_to_none=True)
@@ -364,8 +366,8 @@ def test_entropy_coef_adds_the_bonus_to_the_objectives_loss_and_gradient(objecti
     run.cfg = tepo.config_for(objective, entropy_coef=0.7, **overrides)
     from tepokit.forward import completion_logits
     model.zero_grad(set_to_none=True)
-    bonus = tepo.entropy_bonus(completion_logits(model, batch, rows, args), batch.completion_mask, run.cfg,
-                               args.temperature, **counts)
+    logits = completion_logits(model, batch, rows, run.settings.precision, run.settings.prompt_once)
+    bonus = tepo.entropy_bonus(logits, batch.completion_mask, run.cfg, args.temperature, **counts)
     bonus.backward()
     assert bonus.item() < 0
     assert_close(losses[1], losses[0] + bonus.detach(), atol=1e-12)
