@@ -6,7 +6,8 @@ the CPU, op by op, so the plan meets on the CPU what it meets on a GPU (resident
 allocator of the C library keeps freed blocks). Seven 2-step GRPO runs of micro models with real shapes'
 proportions (Qwen2's grouped-query attention, vocabularies of 8,192 to 32,768 tokens), five of them made to
 peak in five different phases, one generating over transformers' static KV cache (--cuda-graphs on); the second
-step's generation runs with the gradients and Adam's moments of the first.
+step's generation runs with the gradients and Adam's moments of the first. Then GPT-2's sampling loop alone at an
+evaluation's shape, with and without its static KV cache: what it holds while it decodes.
 """
 import contextlib
 import io
@@ -20,10 +21,10 @@ from torch.utils._pytree import tree_flatten
 
 import tepo
 import train_small as ts
-from tepokit import bench
+from tepokit import bench, sampling
 from tepokit.cli import objective_config, parse_args
 from tepokit.memory import PHASES, memory_plan, model_config_for_plan
-from tepokit.model import END, build_char_tokenizer
+from tepokit.model import END, build_char_tokenizer, use_fused_gelu
 
 
 class LiveBytes(TorchDispatchMode):
@@ -209,3 +210,35 @@ def test_the_plan_holds_the_peak_of_each_phase_counted_as_cuda_counts_it(name, s
     assert max(measured, key=measured.get) == plan["phase"] == phase, ratios
     assert plan["peak"] == pytest.approx(planned[phase])
     assert all(0.95 <= ratio <= 1.25 for ratio in ratios.values()), ratios
+
+
+@pytest.mark.parametrize("cuda_graphs", ["off", "on"])
+def test_the_gpt2_loop_decodes_beside_the_prompts_keys_and_values_not_their_forward(cuda_graphs):
+    """An evaluation's greedy generation by GPT-2's loop (16 prompts of 64 tokens, one row each, 192 new tokens), with
+    and without the static KV cache of --cuda-graphs (run eagerly on the CPU): the bytes alive from its prefill to
+    its last token, beyond the weights, lie within -5% and +25% of the plan's evaluation, whose largest moment is
+    decoding (the prompts' keys and values, the completions', the sampling step). The prefill's last layer is let go
+    before decoding: kept, it added U * P * (5d * 4 + P) bytes, 1.38 MB here (27% more)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    config = GPT2Config(vocab_size=2048, n_positions=512, n_embd=64, n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config).eval()
+    use_fused_gelu(model)                                                      # as load_policy does
+    args, _ = parse_args(ts.Args, ["--prompts-per-step", "4", "--group-size", "4", "--n-test", "16", "--pass-k", "1",
+                                   "--pass-k-problems", "1", "--max-prompt-tokens", "64", "--max-new-tokens", "192",
+                                   "--cuda-graphs", cuda_graphs])
+    plan = memory_plan(args, config, needs_ref=False)
+    assert plan["phases"]["evaluation"][0] == "decoding"
+    prompt_ids = torch.randint(1, 2048, (16, 64))
+    prompt_mask = (torch.arange(64) >= torch.arange(16)[:, None]).long()       # left padding: 0 to 15 tokens
+    counter = LiveBytes()
+    for tensor in [*model.parameters(), *model.buffers()]:
+        counter.track(tensor)
+    weights = counter.live
+    static = cuda_graphs == "on"
+    with counter:                      # no end token: every row runs to 192 tokens
+        out = sampling.sample_gpt2(model, prompt_ids, prompt_mask, 1, 192, 1.0, [], 0, greedy=True, static=static,
+                                   capture=static)
+    assert out["completion_ids"].shape == (16, 192)
+    ratio = (1 + 0.05) * plan["totals"]["evaluation"] / (counter.peak - weights)
+    assert 0.95 <= ratio <= 1.25, ratio
