@@ -64,7 +64,8 @@ def process_memory_mb(field: str = "VmRSS") -> float:
 #                  generate's stacked logits [B, T, V] when its log-probs are wanted
 #   evaluation     greedy decoding of a rollout's worth of rows, one row per prompt
 #   old log-probs  no-grad forwards of one micro-batch: the reference model's, the policy's (recomputed
-#                  old log-probs) and, in bf16, the fp32 forward of precision_noise_floor
+#                  old log-probs) and, in bf16, the fp32 forward of precision_noise_floor, beside what the
+#                  rollout holds for the entropy check (the sampler's logits of the checked rows)
 #   update         one micro-batch's forward and backward (activations, logits, their gradient, the lm_head
 #                  weight's gradient), then Adam's foreach step
 #   entropy check  the logits before and after the update at the checked positions, and one forward
@@ -133,9 +134,10 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
     n_checked = min(rows_checked * T, ENTROPY_CHECK_MAX_POSITIONS)        # positions the entropy check keeps
     copies = {"bf16 weight copies (autocast)": 2 * N if args.precision == "bf16" else 0}
     mlp = (3 if m["gated"] else 2) * inner * a           # a no-grad MLP's live outputs, per token
-    # the logits the entropy check keeps from before the update ([n, V]), and with the sampler's old log-probs
-    # the sampler's logits of the checked rows ([c, T, V]), which the rollout holds until the step ends
-    before = {"entropy check: logits before": n_checked * V * a + (0 if recompute else rows_checked * T * V * a)}
+    # with the sampler's old log-probs, the sampler's logits of the checked rows ([c, T, V]): the rollout holds them
+    # from the generation to the step's end; and the logits the entropy check keeps from before the update ([n, V])
+    sampler_logits = 0 if recompute else rows_checked * T * V * (a if loop else 4)
+    before = {"entropy check: logits before": n_checked * V * a + sampler_logits}
 
     def chunks(positions: int, n: int, nbytes: int = 4) -> int:
         """n float32 temporaries of one chunk of the logits (forward.LOGITS_CHUNK_BYTES) over `positions`."""
@@ -144,8 +146,7 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
     def rollout(prompts: int, group: int, stacked: bool, kept: bool) -> list:
         """The moments of generating `group` completions of `prompts` prompts (tepokit/sampling.py)."""
         rows = prompts * group
-        kept_logits = {"sampler's logits of the checked rows": rows_checked * T * V * (a if loop else 4) if kept
-                       else 0}
+        kept_logits = {"sampler's logits of the checked rows": sampler_logits if kept else 0}
         if loop:     # sample_gpt2: fp32 keys and values of each prompt once, the completions' in one buffer
             prompt_cache = {"prompts' keys and values": 2 * L * prompts * P * H * 4}
             # a layer's queries, keys and values, its MLP, the residual stream, a norm's and the attention's
@@ -230,7 +231,10 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
                 embedding_backward, ("Adam's step", {**before, "foreach temporaries": 4 * N})]
 
     def old_logprobs() -> list:
-        moments = [(f"{name}: {moment}", {**copies, **parts}) for name in ("reference model", "policy")
+        # beside the reference model's forwards (the first), the rollout's sampler logits; beside the policy's (only
+        # when recomputed) the logits before, from the first forward that holds a checked row on
+        held = {"reference model": {"sampler's logits of the checked rows": sampler_logits}, "policy": before}
+        moments = [(f"{name}: {moment}", {**copies, **held[name], **parts}) for name in ("reference model", "policy")
                    if name == "policy" and recompute or name == "reference model" and needs_ref
                    for moment, parts in forward(b, a)]
         # the checked positions' logits: a copy of the checked rows (one forward's, or all of the sampler's at

@@ -174,10 +174,11 @@ CONFIGS = {
     # GPT-2's sampling loop: evaluation keeps each of 16 prompts' keys and values, training each group's once
     "gpt2 loop, evaluation": ("gpt2", ["--micro-batch-size", "2", "--max-prompt-tokens", "192", "--max-new-tokens",
                                        "4", "--n-test", "16", "--beta", "0"], "evaluation"),
-    # the loop's old log-probs are the sampler's: the entropy check copies its logits of all 16 checked rows at once
-    "gpt2 loop, sampler's logits": ("gpt2", ["--micro-batch-size", "4", "--max-prompt-tokens", "32", "--max-new-tokens",
-                                             "16", "--entropy-check-every", "1", "--entropy-check-rows", "16", "--beta",
-                                             "0"], "entropy check"),
+    # the loop's old log-probs are the sampler's: the entropy check copies its logits of all 8 checked rows at once, and
+    # the rollout holds them from the generation to the update, beside the reference model's forwards (GRPO's beta)
+    "gpt2 loop, sampler's logits": ("gpt2", ["--micro-batch-size", "16", "--mini-batches", "1", "--max-prompt-tokens",
+                                             "32", "--max-new-tokens", "128", "--entropy-check-every", "1",
+                                             "--entropy-check-rows", "8"], "update"),
     # --cuda-graphs on: transformers' StaticCache holds prompt + new tokens from the prefill on
     "static KV cache": ("qwen_wide_mlp", ["--micro-batch-size", "2", "--gradient-checkpointing", "--cuda-graphs", "on",
                                           "--max-prompt-tokens", "128", "--max-new-tokens", "8",
