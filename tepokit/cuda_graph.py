@@ -25,6 +25,10 @@ import torch
 from tepokit.errors import first_line, warn
 
 WARNED: set[str] = set()      # each fallback is said once per process, not once per rollout
+# The side stream of every capture's warm-up, one per device: cuBLAS keeps a workspace (32 MiB on a Hopper GPU) for
+# each stream it has run on, for the process's life, so a new stream per capture (each rollout and evaluation) would
+# add one workspace per capture, up to the 32 streams of torch's pool (about 1 GiB).
+WARM_UP_STREAMS: dict = {}
 
 
 def warn_once(message: str) -> None:
@@ -65,7 +69,9 @@ def static_decoder(decode, rows: int, device, capture: bool, reset=lambda: None)
 def captured(decode, token_in, t_in, reset):
     """The step recorded as a CUDA graph: replay() -> its logits [B, V] (one tensor, rewritten by each replay);
     None, after one line on stderr, when capture fails (the caller then runs the step eagerly)."""
-    side = torch.cuda.Stream()
+    if token_in.device not in WARM_UP_STREAMS:
+        WARM_UP_STREAMS[token_in.device] = torch.cuda.Stream(token_in.device)
+    side = WARM_UP_STREAMS[token_in.device]
     try:
         # Under bf16 autocast the casts of the weights must be recorded too: autocast's cache would hand the
         # graph casts made outside it (torch.cuda.make_graphed_callables refuses the cache for this reason).

@@ -58,7 +58,8 @@ def process_memory_mb(field: str = "VmRSS") -> float:
 # of live tensors at each phase of an RL step, counted as CUDA's caching allocator counts them
 # (torch.cuda.max_memory_allocated). The model's state lives through every phase of a long run: fp32
 # weights, their gradients (kept from one step's last optimizer step to the next step's first), Adam's two
-# moments, and a fp32 reference model when the objective needs one. Each phase adds its own tensors:
+# moments, a fp32 reference model when the objective needs one, and on a GPU cuBLAS's workspaces (CUBLAS_WORKSPACE).
+# Each phase adds its own tensors:
 #   generation     the rollout: the prompts' prefill (every prompt token through the MLP at once), then
 #                  one token at a time over a growing KV cache, the sampler's [B, V] temporaries, and
 #                  generate's stacked logits [B, T, V] when its log-probs are wanted
@@ -76,9 +77,14 @@ def process_memory_mb(field: str = "VmRSS") -> float:
 
 PHASES = ("generation", "evaluation", "old log-probs", "update", "entropy check")
 # What the parts do not list, as a share of the rest: tensors of a few MB or less (the rollout's ids and
-# masks, norms' statistics), kernels' workspaces (cuBLAS, attention) and the allocator's rounding. The parts
+# masks, norms' statistics), kernels' workspaces (attention's) and the allocator's rounding. The parts
 # alone came within 2% of the peak at the GPU measurement's four runs, once 1% below it.
 UNLISTED = 0.05
+# cuBLAS keeps a workspace for each handle and stream it has run on, from the caching allocator, for the process's
+# life (PyTorch's aten/src/ATen/cuda/CublasHandlePool.cpp): 32 MiB on a Hopper GPU (8 MiB on older ones), and
+# cuBLASLt's 1 MiB. A run holds two on its stream (the forward's thread and autograd's backward thread each have a
+# handle) and, capturing the decode step (tepokit/cuda_graph.py), two more: its warm-up stream and capture stream.
+CUBLAS_WORKSPACE = 33 * 2**20
 
 
 def model_config_for_plan(args, task):
@@ -271,6 +277,8 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
     totals = {phase: sum(parts.values()) for phase, (_, parts) in phases.items()}
     parts = {"weights (fp32)": 4 * N, "gradients (fp32)": 4 * N, "Adam moments (fp32)": 8 * N,
              "reference model (fp32)": 4 * N if needs_ref else 0}
+    if device_type == "cuda":
+        parts["cuBLAS workspaces"] = (4 if static and (loop or static_cache) else 2) * CUBLAS_WORKSPACE
     phase = max(totals, key=totals.get)
     listed = sum(parts.values()) + totals[phase]
     return {"parts": parts, "phases": phases, "totals": totals, "n_params": N, "unlisted": UNLISTED * listed,
