@@ -62,16 +62,16 @@ def test_compare_writes_a_table_and_a_rerun_reuses_finished_runs(workdir):
 
 
 def test_compare_stopped_on_purpose_says_how_to_go_on_and_writes_no_summary(workdir, capsys):
-    argv = [*MICRO, "--compare", "grpo,tepo", "--seeds", "1", "--steps", "2", "--out", "runs/cmp"]
+    argv = [*MICRO, "--compare", "grpo,tepo", "--seeds", "1", "--steps", "2", "--out", "runs/cmp_stopped"]
     run_main([*argv, "--stop-after", "1"])          # no run reached its final evaluation: no table, no traceback
     said = capsys.readouterr().out.strip().splitlines()[-1]
     assert said.startswith("--compare stopped after step 1 of 2 in 2 runs") and "--stop-after" not in said.split(
         "go on with:")[1]
-    assert not os.path.exists("runs/cmp/summary.json")
-    assert [len(open(f"runs/cmp/{name}__1/metrics.jsonl").readlines()) for name in ("grpo", "tepo")] == [2, 2]
+    assert not os.path.exists("runs/cmp_stopped/summary.json")
+    assert [len(open(f"runs/cmp_stopped/{name}__1/metrics.jsonl").readlines()) for name in ("grpo", "tepo")] == [2, 2]
     run_main(argv)                                  # the command it names finishes both runs and the table
-    assert set(json.load(open("runs/cmp/summary.json"))["objectives"]) == {"grpo", "tepo"}
-    assert [len(open(f"runs/cmp/{name}__1/metrics.jsonl").readlines()) for name in ("grpo", "tepo")] == [3, 3]
+    assert set(json.load(open("runs/cmp_stopped/summary.json"))["objectives"]) == {"grpo", "tepo"}
+    assert [len(open(f"runs/cmp_stopped/{name}__1/metrics.jsonl").readlines()) for name in ("grpo", "tepo")] == [3, 3]
 
 
 def test_compare_entries_carry_their_own_objective_settings(workdir):
