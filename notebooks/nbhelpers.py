@@ -102,7 +102,12 @@ LABELS |= {"grpo_beta=0": "GRPO, beta = 0",
            "grpo_beta=0_entropy_coef=1.0": "entropy bonus 1.0",
            # each remedy's control: its entry with the mechanism switched off (docs/collapse.md)
            "clip_cov_clip_cov_ratio=0": "Clip-Cov, ratio 0 (control)",
-           "kl_cov_kl_cov_ratio=0.1_beta=0": "KL-Cov, beta = 0 (control)"}
+           "kl_cov_kl_cov_ratio=0.1_beta=0": "KL-Cov, beta = 0 (control)",
+           "clip_cov_clip_cov_ratio=0.01_clip_cov_lb=0.02_clip_cov_ub=0.1": "Clip-Cov, bounds (0.02, 0.1)",
+           # TEPO without its mask, one of its other settings put back to GRPO's (docs/collapse.md)
+           "tepo_beta=0_eps_low=0.2_eps_high=0.2": "TEPO, beta = 0, GRPO's clip range",
+           "tepo_beta=0_aggregation=seq-mean-token-mean": "TEPO, beta = 0, per-sequence mean",
+           "tepo_beta=0_dynamic_sampling=off": "TEPO, beta = 0, every group trains"}
 COLORS |= {"grpo_beta=0": plt.cm.tab20.colors[1], "tepo_entropy_criterion=measured": plt.cm.tab20.colors[9],
            "dapo_dynamic_sampling=off": plt.cm.tab20.colors[5],
            "clip_cov_clip_cov_ratio=0.01": COLORS["clip_cov"], "kl_cov_kl_cov_ratio=0.1": COLORS["kl_cov"]}
