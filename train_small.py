@@ -23,12 +23,12 @@ Read it top to bottom:
         6. update                  one optimizer step per mini-batch, tepo.OBJECTIVES       (update_policy)
         7. measure                 after the update: entropy change, mechanisms' effects    (measure_step)
      That is the plain path (--no-fast). Its costly operations have fast twins, tested equal and on by default
-     (--fast), pointed to where they branch off: the shared-prefix sampler (tepokit/sampling.py), the forward
-     that reads each prompt once (tepokit/forward.py), and the sampler's log-probs in step 5's place.
+     (--fast), pointed to where they branch off: the shared-prefix sampler (tepokit/fast/sampling.py), the forward
+     that reads each prompt once (tepokit/core/forward.py), and the sampler's log-probs in step 5's place.
   5. evaluate         held-out accuracy (greedy) and pass@k
   6. the loop         train: start or resume a run, then step, evaluate, log and checkpoint
 A second built-in task, `--task hidden-type`, is made for entropy collapse: two hidden types of problem, 70/30,
-each solved by its own operator, so GRPO collapses onto the majority's (tepokit/task.py, docs/collapse.md).
+each solved by its own operator, so GRPO collapses onto the majority's (tepokit/setup/task.py, docs/collapse.md).
 The parts a reader can skip (the command line, the built-in task and models, the fast twins, memory,
 the run directory, statistics, --compare, --bench, --engine trl) live in tepokit/, one concern per module.
 The logged metrics are defined in docs/metrics.md.
@@ -57,30 +57,37 @@ import os
 import time
 from dataclasses import dataclass
 
-from tepokit import bench, cli, compare, resume, rundir  # first: tepokit/__init__.py sets OMP_WAIT_POLICY for torch
+from tepokit.tools import bench
+from tepokit.cli import flags as cli
+from tepokit.tools import compare
+from tepokit.cli import resume
+from tepokit.plumbing import rundir  # first: tepokit/__init__.py sets OMP_WAIT_POLICY for torch
 import torch
 
 import tepo
-from tepokit.divergence import check_finite, stops_on_divergence
-from tepokit.entropy_check import EntropyCheckPositions
-from tepokit.errors import fail
-from tepokit.forks import eval_by_type
-from tepokit.forward import autocast, completion_logits, precision_noise_floor, token_entropy, token_logprobs
-from tepokit.measure import measure_step, rollout_metrics
-from tepokit.memory import (check_memory, check_memory_on_device, dry_run, peak_memory_mb, process_memory_mb,
-                            reset_peak_memory)
-from tepokit.model import eos_ids_of, load_policy, pick_device, prepare_start_model
-from tepokit.report import Trackers, trackers_of
-from tepokit.sampling import sample
-from tepokit.stats import combine_micro_batches, mean_pass_at_k
-from tepokit.step_settings import StepSettings, step_settings
-from tepokit.stop import StopSignals, stopped_after
-from tepokit.summary import Progress, evaluation_line, write_summary
-from tepokit.task import dataset_chunks, format_prompt, gold_answer, load_task, score_completions, task_fingerprint
+from tepokit.core.clock import PhaseClock
+from tepokit.plumbing.non_finite import check_finite, stops_on_divergence
+from tepokit.diagnostics.entropy_check import EntropyCheckPositions
+from tepokit.plumbing.errors import fail
+from tepokit.diagnostics.forking_tokens import eval_by_type
+from tepokit.core.forward import autocast, completion_logits, precision_noise_floor, token_entropy, token_logprobs
+from tepokit.diagnostics.after_step import measure_step, rollout_metrics
+from tepokit.tools.memory import check_memory, check_memory_on_device, dry_run
+from tepokit.core.clock import peak_memory_mb, process_memory_mb, reset_peak_memory
+from tepokit.setup.model import load_policy, pick_device, prepare_start_model
+from tepokit.core.forward import eos_ids_of
+from tepokit.plumbing.report import Trackers, trackers_of
+from tepokit.fast.sampling import sample
+from tepokit.diagnostics.stats import combine_micro_batches, mean_pass_at_k
+from tepokit.fast.step_settings import StepSettings, step_settings
+from tepokit.plumbing.signals import StopSignals, stopped_after
+from tepokit.diagnostics.summary import Progress, evaluation_line, write_summary
+from tepokit.setup.task import dataset_chunks, load_task, task_fingerprint
+from tepokit.core.reward import format_prompt, gold_answer, score_completions
 
 
 # =====================================================================================================
-# 1. Configuration: every flag is a field (tepokit/cli.py makes the command line from it)
+# 1. Configuration: every flag is a field (tepokit/cli/flags.py makes the command line from it)
 # =====================================================================================================
 
 @dataclass
@@ -151,7 +158,7 @@ class Args:
     entropy_check_every: int = 4        # run the entropy check every N steps (it costs one extra forward)
     effect_check_every: int | None = None  # mechanisms' effect on the update every N steps (unset: 4; 0 with --model)
     check_sampling_logprobs: bool = True  # with recomputed old log-probs: compare the sampler's with them
-    report_to: str = "none"             # live curves: none, tensorboard, trackio, wandb, or a list (tepokit/report.py)
+    report_to: str = "none"             # live curves: none, tensorboard, trackio, wandb, or a list (tepokit/plumbing/report.py)
     target_accuracy: float = 0.40       # --compare: steps needed to reach this held-out accuracy
     # --- modes ---
     resume: str | None = None           # continue the run in this directory from its checkpoint
@@ -167,7 +174,7 @@ class Args:
 
 
 # =====================================================================================================
-# 2. The task and its reward (the task itself: tepokit/task.py)
+# 2. The task and its reward (the task itself: tepokit/setup/task.py)
 # =====================================================================================================
 
 def compute_rewards(texts: list[str], golds: list, lengths: torch.Tensor, args: Args,
@@ -213,14 +220,14 @@ class Rollout:
 def generate_group(model, tokenizer, questions: list[str], group_size: int, args: Args, device,
                    greedy: bool = False, want_logprobs: bool = False, keep_logits_rows: int = 0) -> Rollout:
     """G completions per prompt by model.generate, sampled at temperature T from softmax(z / T) (no top-k, no
-    top-p), or greedily. With --fast, its twin tepokit/sampling.py `sample`: the same tokens for the same seed,
+    top-p), or greedily. With --fast, its twin tepokit/fast/sampling.py `sample`: the same tokens for the same seed,
     and each token's log-prob and entropy (if want_logprobs) and the first rows' logits (keep_logits_rows)."""
     enc = tokenizer([format_prompt(q) for q in questions], return_tensors="pt", padding=True,
                     truncation=True, max_length=args.max_prompt_tokens)
     prompt_ids, prompt_mask = enc.input_ids.to(device), enc.attention_mask.to(device)          # [U, P]
     group_ids, group_mask = prompt_ids.repeat_interleave(group_size, 0), prompt_mask.repeat_interleave(group_size, 0)
     eos_ids = eos_ids_of(model)
-    if args.fast:    # the fast twin: each prompt read once per group, log-probs as it samples (tepokit/sampling.py)
+    if args.fast:    # the fast twin: each prompt read once per group, log-probs as it samples (tepokit/fast/sampling.py)
         out = sample(model, prompt_ids, prompt_mask, group_size, args.max_new_tokens, args.temperature, args.precision,
                      args.sampler, args.cuda_graphs, greedy, keep_logits_rows, want_logprobs)
     else:
@@ -279,9 +286,9 @@ class Run:
     test_set: object
     first_step: int                     # 1, or the step after the checkpoint when resuming
     details_path: str | None            # details.jsonl, TEPO only
-    settings: StepSettings              # what the step's helpers read, resolved once (tepokit/step_settings.py)
+    settings: StepSettings              # what the step's helpers read, resolved once (tepokit/fast/step_settings.py)
     trackers: Trackers                  # --report-to: every metrics.jsonl row also goes there, live
-    clock: object = bench.PhaseClock    # makes each step's clock (--bench and the memory check give their own)
+    clock: object = PhaseClock    # makes each step's clock (--bench and the memory check give their own)
 
 
 @dataclass
@@ -374,7 +381,7 @@ def rollout_statistics(run: Run, batch: Rollout, adv: torch.Tensor, plan: list, 
     as the update's first epoch (the rows its optimizer steps will see), so the first of them is exactly
     on-policy whatever the kernels: same rows, same shapes, same arithmetic. Rows no optimizer step sees
     (dropped by DAPO's filter) are still needed for the rollout's entropy and covariance. Their fast twin
-    (--fast, in fp32 with the loop sampler; tepokit/sampling.py recompute_old_logprobs says when) takes the
+    (--fast, in fp32 with the loop sampler; tepokit/fast/sampling.py recompute_old_logprobs says when) takes the
     sampler's, computed from the logits that chose each token: no forward pass.
     """
     settings, B = run.settings, batch.completion_ids.shape[0]
@@ -486,7 +493,7 @@ def micro_batch_loss(run: Run, batch: Rollout, old_logp: torch.Tensor, old_entro
     logits = completion_logits(run.model, batch, rows, settings.precision, settings.prompt_once)   # [b, T, V]
     logp = token_logprobs(logits, tokens, settings.temperature)                      # [b, T]
     # The current entropy: for the objective when its criterion needs it, and for TEPO always, whose details.jsonl
-    # sets its two entropy criteria side by side (tepokit/kl_mask_log.py); the loss gets it only in the first case.
+    # sets its two entropy criteria side by side (tepokit/diagnostics/kl_mask_details.py); the loss gets it only in the first case.
     needs_entropy = tepo.needs_entropy(settings.objective, cfg)
     entropy = token_entropy(logits, settings.temperature) if needs_entropy or settings.objective == "tepo" else None
     log_ratio = (logp.detach() - old_logp[idx]).abs()[mask.bool()]
@@ -508,7 +515,7 @@ def micro_batch_loss(run: Run, batch: Rollout, old_logp: torch.Tensor, old_entro
 @torch.no_grad()
 def evaluate(model, tokenizer, test, args: Args, device) -> dict:
     """Held-out accuracy with greedy decoding (strict and lenient), and pass@k for k = 1, 2, 4, ... up
-    to K = --pass-k from the same K samples per problem (unbiased estimator, tepokit.stats.pass_at_k).
+    to K = --pass-k from the same K samples per problem (unbiased estimator, tepokit.diagnostics.stats.pass_at_k).
     Generation goes one rollout's worth of rows at a time, so evaluation never needs more memory
     (KV cache) than a training step's rollout."""
     rollout_rows = args.prompts_per_step * args.group_size
@@ -530,7 +537,7 @@ def evaluate(model, tokenizer, test, args: Args, device) -> dict:
            **{f"eval/pass@{k}": value for k, value in mean_pass_at_k(n_right, args.pass_k).items()},
            f"eval/mean@{args.pass_k}": right.mean().item(),     # and how many problems each figure is over:
            "eval/problems": len(greedy_right), "eval/pass_k_problems": len(n_right)}
-    if "type" in test.column_names:     # the hidden-type task: each type apart (tepokit/forks.py)
+    if "type" in test.column_names:     # the hidden-type task: each type apart (tepokit/diagnostics/forking_tokens.py)
         row |= eval_by_type(greedy_right, right, sampled_texts, list(test["type"]), args.pass_k, list(test["answer"]),
                             list(test["cue"]) if "cue" in test.column_names else None)
     return row
@@ -540,10 +547,10 @@ def evaluate(model, tokenizer, test, args: Args, device) -> dict:
 # 6. The loop: start or resume a run, step, evaluate, log, checkpoint
 # =====================================================================================================
 
-def train(args: Args, obj_overrides: dict, clock=bench.PhaseClock) -> dict:
+def train(args: Args, obj_overrides: dict, clock=PhaseClock) -> dict:
     """One RL run: start (or resume) it, then step, evaluate, log and checkpoint; the summary at the end.
-    A stop signal (Ctrl-C, SIGTERM, SIGHUP) finishes the step, checkpoints it and exits (tepokit/stop.py); a step
-    that diverges ends the run before it is saved (tepokit/divergence.py)."""
+    A stop signal (Ctrl-C, SIGTERM, SIGHUP) finishes the step, checkpoints it and exits (tepokit/plumbing/signals.py); a step
+    that diverges ends the run before it is saved (tepokit/plumbing/non_finite.py)."""
     t_start = time.time()
     run = start_run(args, obj_overrides, clock)
     args = run.args                    # with --resume: the saved settings, which start_run read
@@ -553,7 +560,7 @@ def train(args: Args, obj_overrides: dict, clock=bench.PhaseClock) -> dict:
         for step in progress:
             t0 = time.time()
             with stops_on_divergence(step, run):      # a non-finite loss, gradient or weight ends the run here,
-                row, details_row = rl_step(run, step)  # before anything of the step is saved (tepokit/divergence.py)
+                row, details_row = rl_step(run, step)  # before anything of the step is saved (tepokit/plumbing/non_finite.py)
                 check_finite(step, row, run)
                 # The final evaluation, off the schedule, leaves the RNG as it found it, so that a run extended
                 # later (--resume --steps) equals an unbroken one.
@@ -587,7 +594,7 @@ def train(args: Args, obj_overrides: dict, clock=bench.PhaseClock) -> dict:
     return summary
 
 
-def start_run(args: Args, obj_overrides: dict, clock=bench.PhaseClock) -> Run:
+def start_run(args: Args, obj_overrides: dict, clock=PhaseClock) -> Run:
     """Load the task and the models, then either resume from the run directory's checkpoint or start
     afresh: config.json, empty logs, the starting model's evaluation (step 0) and checkpoint 0.
     The run directory is locked (claimed) once everything has loaded and before anything in it changes:
@@ -641,17 +648,17 @@ def start_run(args: Args, obj_overrides: dict, clock=bench.PhaseClock) -> Run:
 def main(argv=None) -> int:
     args, obj_overrides = cli.parse_args(Args, argv)
     with StopSignals():           # until the RL loop takes over: a stop signal ends the program at once
-        if args.dry_run:          # the memory plan alone (tepokit/memory.py)
+        if args.dry_run:          # the memory plan alone (tepokit/tools/memory.py)
             dry_run(args, obj_overrides)
-        elif args.bench:          # our step against TRL's GRPOTrainer on the same work (tepokit/bench.py)
+        elif args.bench:          # our step against TRL's GRPOTrainer on the same work (tepokit/tools/bench.py)
             bench.benchmark(args, obj_overrides, train)
-        elif args.check_memory_on_device:   # the plan beside each phase's measured peak (tepokit/memory.py)
+        elif args.check_memory_on_device:   # the plan beside each phase's measured peak (tepokit/tools/memory.py)
             check_memory_on_device(args, obj_overrides, train)
-        elif args.compare:        # several objectives x seeds, paired by seed (tepokit/compare.py)
+        elif args.compare:        # several objectives x seeds, paired by seed (tepokit/tools/compare.py)
             compare.compare_objectives(args, obj_overrides, train)
-        elif args.engine == "trl":    # the same objective inside TRL's GRPOTrainer (tepokit/tepo_trl.py; needs trl)
+        elif args.engine == "trl":    # the same objective inside TRL's GRPOTrainer (tepokit/tools/tepo_trl.py; needs trl)
             try:
-                from tepokit import tepo_trl
+                from tepokit.tools import tepo_trl
             except ImportError as e:
                 fail(f"argument --engine: 'trl' needs TRL ({e}); pip install 'trl>=1.16,<1.17' or choose --engine tepo")
             tepo_trl.train(args, obj_overrides, evaluate)

@@ -7,9 +7,9 @@
 - small statistics: smooth(), standard errors and 95% intervals, so that verdicts stay within the data;
 - plotting: the shared style, LABELS and COLORS per objective, smoothed_band(), save_figure() for the README.
 
-Reading a run directory, series(), smooth(), smoothed_band() and the PNG writing are tepokit.plot's (the ones
-`python -m tepokit.plot RUN_DIR` draws with); log reading and the statistics are the project's own:
-tepokit.rundir.read_log() and tepokit.stats's pearson() and t_interval(), the ones train_small.py and --compare use.
+Reading a run directory, series(), smooth(), smoothed_band() and the PNG writing are tepokit.tools.plot's (the ones
+`python -m tepokit.tools.plot RUN_DIR` draws with); log reading and the statistics are the project's own:
+tepokit.plumbing.rundir.read_log() and tepokit.diagnostics.stats's pearson() and t_interval(), the ones train_small.py and --compare use.
 """
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 # notebooks draws one, so the hint would only be noise above the first output.
 warnings.filterwarnings("ignore", message="IProgress not found")
 
-from tepokit.plot import per_minibatch, read_run, save_png, series, smooth, smoothed_band  # noqa: E402,F401
-from tepokit.rundir import read_log  # noqa: E402,F401
-from tepokit.stats import pearson, t_interval  # noqa: E402,F401
+from tepokit.tools.plot import per_minibatch, read_run, save_png, series, smooth, smoothed_band  # noqa: E402,F401
+from tepokit.plumbing.rundir import read_log  # noqa: E402,F401
+from tepokit.diagnostics.stats import pearson, t_interval  # noqa: E402,F401
 
 COMMANDS_FILE = NB_DIR / "logs" / "COMMANDS.md"
 LOG_FILES = ("config.json", "metrics.jsonl", "summary.json", "details.jsonl")   # not checkpoints or weights
@@ -154,7 +154,7 @@ def regenerate_logs() -> None:
 
 
 def load_run(name: str) -> dict | None:
-    """{metrics, steps, config, summary, details, planned} of LOGS/<name> (tepokit.plot.read_run), or None when
+    """{metrics, steps, config, summary, details, planned} of LOGS/<name> (tepokit.tools.plot.read_run), or None when
     it has no metrics.jsonl. With a single run directory (read_runs_from), that run answers to
     <its objective>__1 and no other name."""
     if ONE_RUN is not None:
@@ -238,7 +238,7 @@ def with_interval(estimate: float, se: float, scale: float = 1.0, digits: int = 
 def paired_over_seeds(runs: dict[int, dict], base: dict[int, dict], value) -> dict:
     """Paired by seed: value(run) - value(baseline run) on every seed both have (runs that share a seed share the
     task, the warm-up model and the prompt order), then their mean with a 95% t interval over the seeds
-    (tepokit.stats.t_interval, the one --compare uses). A value of None (e.g. a target never reached) drops that
+    (tepokit.diagnostics.stats.t_interval, the one --compare uses). A value of None (e.g. a target never reached) drops that
     seed. Returns t_interval's dict plus `per_seed` and `seeds`."""
     seeds = [s for s in sorted(set(runs) & set(base))
              if value(runs[s]) is not None and value(base[s]) is not None]
@@ -296,7 +296,7 @@ def seed_band(ax, runs: dict[int, dict], key: str, color, label: str, window: in
 
 
 def save_figure(fig, filename: str) -> None:
-    """Save a key figure to FIGURES (tepokit.plot.save_png: the same logs give the same bytes): notebooks/figures/
+    """Save a key figure to FIGURES (tepokit.tools.plot.save_png: the same logs give the same bytes): notebooks/figures/
     for the committed logs (the README shows them), <RUN_DIR>/figures/ for your runs."""
     try:
         FIGURES.mkdir(exist_ok=True)

@@ -17,7 +17,7 @@
   compare        --compare: objectives x seeds, paired by seed
   bench          --bench: our RL step against TRL's GRPOTrainer
   tepo_trl       TepoGRPOTrainer: any tepo objective inside TRL's GRPOTrainer (--engine trl)
-  plot           python -m tepokit.plot RUN_DIR: a run's figures; run reading and plotting shared with the notebooks
+  plot           python -m tepokit.tools.plot RUN_DIR: a run's figures; run reading and plotting shared with the notebooks
 
 Imports form a tree: tepo.py imports only torch; these modules import tepo and each other; train_small.py
 imports both, and nothing imports train_small.py. transformers, datasets and TRL are imported inside the

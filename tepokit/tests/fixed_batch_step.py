@@ -34,7 +34,7 @@ LEARNING_RATE = 0.1
 def save_tiny_model(model_dir: str) -> None:
     """A 1-layer GPT-2 of width 16 (seeded) with the built-in character tokenizer over PROMPTS."""
     from transformers import AutoModelForCausalLM, GPT2Config
-    from tepokit.model import build_char_tokenizer
+    from tepokit.setup.model import build_char_tokenizer
     tokenizer = build_char_tokenizer(PROMPTS)
     end = tokenizer.eos_token_id
     config = GPT2Config(vocab_size=len(tokenizer), n_positions=96, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
@@ -79,7 +79,7 @@ def build_trainer(model_dir: str, objective: str, out_dir: str, micro_batch: int
     the negative control, a token count that was not gathered over processes (each normalises by its own)."""
     import datasets
     import tepo
-    from tepokit import tepo_trl
+    from tepokit.tools import tepo_trl
 
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     micro_batch = micro_batch or ROWS // processes
@@ -144,7 +144,7 @@ def main(argv=None) -> None:
                           per_rank_token_count=variant == "per_rank_token_count")
         if int(os.environ.get("RANK", "0")) == 0:
             torch.save(result, os.path.join(args.out_dir, f"{case.replace(':', '_')}.pt"))
-    from tepokit.tepo_trl import leave_process_group
+    from tepokit.tools.tepo_trl import leave_process_group
     leave_process_group()       # all processes meet and close the group: exiting with gloo's threads alive can abort
 
 

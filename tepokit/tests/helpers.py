@@ -17,10 +17,10 @@ import torch
 
 import tepo
 import train_small as ts
-from tepokit.cli import objective_config, parse_args
-from tepokit.report import Trackers
-from tepokit.rundir import save_checkpoint
-from tepokit.step_settings import step_settings
+from tepokit.cli.flags import objective_config, parse_args
+from tepokit.plumbing.report import Trackers
+from tepokit.plumbing.rundir import save_checkpoint
+from tepokit.fast.step_settings import step_settings
 
 
 REPO = str(Path(__file__).resolve().parents[2])      # the repository root

@@ -1,4 +1,4 @@
-"""tepokit/cli.py: every flag validated in one line, --help, --regime, the rules of --resume."""
+"""tepokit/cli/flags.py: every flag validated in one line, --help, --regime, the rules of --resume."""
 import argparse
 import dataclasses
 import os
@@ -12,11 +12,11 @@ import torch
 
 import tepo
 import train_small as ts
-import tepokit.helptext
-import tepokit.validation
-from tepokit.cli import DEMO, REGIMES, build_parser, objective_config, parse_args, saved_settings
-from tepokit.validation import field_kinds
-from tepokit.model import START_MODEL_DIR, committed_start_model
+import tepokit.cli.helptext
+import tepokit.cli.validation
+from tepokit.cli.flags import DEMO, REGIMES, build_parser, objective_config, parse_args, saved_settings
+from tepokit.cli.validation import field_kinds
+from tepokit.setup.model import START_MODEL_DIR, committed_start_model
 from tepokit.tests.helpers import SCRIPT, parse_outcome, assert_refused_in_one_line, fake_run
 
 
@@ -73,7 +73,7 @@ def test_fuzz_every_flag_with_hostile_values(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     accepted = []
     for name, kind in non_hidden_flags():
-        flag = tepokit.validation.flag(name)
+        flag = tepokit.cli.validation.flag(name)
         for value in ["3", "maybe"] if kind == "bool" else FUZZ_NUMBERS:
             argv = [f"{flag}={value}"]
             code, lines = parse_outcome(argv)
@@ -207,9 +207,9 @@ def test_help_groups_every_flag_once_and_its_examples_are_valid_command_lines():
     after the examples; every flag is in exactly one of them (also in the printed text), a few where a reader looks
     for them; a topic group names its flags that are in common flags; the examples are command lines that parse."""
     parser = build_parser(ts.Args)
-    groups = {g.title: g for g in parser._action_groups if g.title in tepokit.helptext.HELP_GROUPS}
+    groups = {g.title: g for g in parser._action_groups if g.title in tepokit.cli.helptext.HELP_GROUPS}
     assert list(groups) == ["common flags", "task and model", "objective", "run control", "experiments"]
-    flags = {tepokit.validation.flag(name) for name, _ in non_hidden_flags()}
+    flags = {tepokit.cli.validation.flag(name) for name, _ in non_hidden_flags()}
     owners = {flag: [title for title, g in groups.items() for a in g._group_actions if flag in a.option_strings]
               for flag in flags}
     assert {flag: titles for flag, titles in owners.items() if len(titles) != 1} == {}
@@ -231,7 +231,7 @@ def test_help_groups_every_flag_once_and_its_examples_are_valid_command_lines():
     task_and_model = text[headers[2]:headers[3]]
     assert "In common flags, above: --task, --model, --dataset." in task_and_model
     examples = help_examples(text)
-    assert any("python -m tepokit.plot runs/<run>" in line for line in examples)
+    assert any("python -m tepokit.tools.plot runs/<run>" in line for line in examples)
     assert any(line.strip().startswith("python train_small.py --resume runs/<run>") for line in examples)
     runnable = [line.split("#")[0].split()[2:] for line in examples
                 if line.strip().startswith("python train_small.py") and "<" not in line]
@@ -250,8 +250,8 @@ def test_help_shows_the_examples_and_the_common_flags_first(monkeypatch):
     assert lines[0] == "usage: python train_small.py [options]"
     titles = [line[:-1] for line in lines if re.fullmatch(r"[a-z][a-z ]*:", line)]
     assert titles == ["examples", "common flags", "task and model", "objective", "run control", "experiments"]
-    for name in tepokit.helptext.COMMON_FLAGS:
-        row = next(i for i, line in enumerate(lines) if re.match(rf"  {tepokit.validation.flag(name)}( |,|$)", line))
+    for name in tepokit.cli.helptext.COMMON_FLAGS:
+        row = next(i for i, line in enumerate(lines) if re.match(rf"  {tepokit.cli.validation.flag(name)}( |,|$)", line))
         assert row < 45, (name, row)
     assert max(len(line) for line in lines[:lines.index("common flags:")]) <= 100     # the examples fit
 
@@ -266,7 +266,7 @@ def test_every_field_is_one_flag_shown_once():
     fields = [f.name for f in dataclasses.fields(ts.Args)] + [f.name for f in dataclasses.fields(tepo.ObjectiveConfig)]
     assert len(fields) == len(set(fields))
     for name in fields:
-        flag = tepokit.validation.flag(name)
+        flag = tepokit.cli.validation.flag(name)
         assert options.count(flag) == 1, flag
         printed = len(re.findall(rf"^  {flag}[ ,\n]", text, flags=re.MULTILINE))
         assert printed == (0 if name == "stop_after" else 1), (flag, printed)
@@ -274,16 +274,16 @@ def test_every_field_is_one_flag_shown_once():
 
 def test_help_of_a_preset_names_every_setting_it_sets_with_its_value():
     """--demo, --regime, --task and --bench-shape say what they set, from the presets themselves."""
-    from tepokit.cli import BENCH_SHAPES, DEMO_HIDDEN_TYPE, TASKS
+    from tepokit.cli.flags import BENCH_SHAPES, DEMO_HIDDEN_TYPE, TASKS
     helps = {a.dest: " ".join(a.help.split()) for a in build_parser(ts.Args)._actions}
     said = {"demo": [DEMO, DEMO_HIDDEN_TYPE], "regime": [REGIMES["collapse"]], "task": [TASKS["hidden-type"]],
             "bench_shape": [BENCH_SHAPES["gpt2-small"]]}
     for name, presets in said.items():
         for preset in presets:
-            assert preset and all(f"{tepokit.validation.flag(k)} {v}" in helps[name] for k, v in preset.items()), \
+            assert preset and all(f"{tepokit.cli.validation.flag(k)} {v}" in helps[name] for k, v in preset.items()), \
                 (name, preset, helps[name])
         assert "flags given explicitly win" in helps[name]
-    assert helps["demo"].index(" ".join(f"{tepokit.validation.flag(k)} {v}" for k, v in DEMO.items())) \
+    assert helps["demo"].index(" ".join(f"{tepokit.cli.validation.flag(k)} {v}" for k, v in DEMO.items())) \
         < helps["demo"].index("hidden-type")
     assert "collapse sets --lr 0.0003" in helps["regime"] and "standard sets" not in helps["regime"]
 
@@ -345,8 +345,8 @@ def test_resume_keeps_the_runs_cache_dir_unless_it_is_given_again():
 def test_hidden_type_task_is_a_preset_recorded_in_the_args_with_its_own_demo():
     """--task hidden-type sets its preset (and only that), takes its committed start model, and flags win;
     --demo with it is the short classroom run of that task."""
-    from tepokit.cli import DEMO_HIDDEN_TYPE, TASKS
-    from tepokit.model import HIDDEN_TYPE_START_MODEL_DIR
+    from tepokit.cli.flags import DEMO_HIDDEN_TYPE, TASKS
+    from tepokit.setup.model import HIDDEN_TYPE_START_MODEL_DIR
     preset = TASKS["hidden-type"]
     args = parse_args(ts.Args, ["--task", "hidden-type", "--seed", "3"])[0]
     assert {k: getattr(args, k) for k in preset} == preset and args.task == "hidden-type"

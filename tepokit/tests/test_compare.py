@@ -1,4 +1,4 @@
-"""tepokit/compare.py: --compare, its table and its paired differences."""
+"""tepokit/tools/compare.py: --compare, its table and its paired differences."""
 import contextlib
 import glob
 import io
@@ -10,9 +10,9 @@ import pytest
 
 import tepo
 import train_small as ts
-import tepokit.validation
-from tepokit.cli import parse_args
-from tepokit.compare import paired_differences, paired_metrics, paired_table
+import tepokit.cli.validation
+from tepokit.cli.flags import parse_args
+from tepokit.tools.compare import paired_differences, paired_metrics, paired_table
 from tepokit.tests.helpers import MICRO, run_main, strict_loads
 
 
@@ -85,7 +85,7 @@ def test_compare_entries_carry_their_own_objective_settings(workdir):
     assert plain["objective_config"]["beta"] == tepo.PAPER_DEFAULTS["tepo"].beta
     result = json.load(open("runs/cmp_variants/summary.json"))
     assert set(result["paired"]) == {"tepo:beta=0:entropy_criterion=measured"}
-    assert tepokit.validation.variant("dapo:dynamic_sampling=off:eps_high=0.3") == ("dapo", {"dynamic_sampling": False,
+    assert tepokit.cli.validation.variant("dapo:dynamic_sampling=off:eps_high=0.3") == ("dapo", {"dynamic_sampling": False,
                                                                               "eps_high": 0.3})
     for bad in ("tepo:bta=0", "tepo:beta=-1", "tepo:beta", "tepx", "grpo,grpo"):
         with pytest.raises(SystemExit) as e:
@@ -151,7 +151,7 @@ def test_a_rerun_into_the_same_out_reuses_only_runs_of_the_same_settings(workdir
 
 
 def test_a_run_that_diverges_ends_the_comparison_in_one_line_that_says_what_to_do(workdir, monkeypatch):
-    from tepokit.divergence import Diverged
+    from tepokit.plumbing.non_finite import Diverged
     real_rl_step = ts.rl_step
 
     def rl_step(run, step):

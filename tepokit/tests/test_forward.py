@@ -1,22 +1,22 @@
-"""tepokit/forward.py: its fast twins equal the plain versions in value and gradient: the memory-bounded log-probs
+"""tepokit/core/forward.py: its fast twins equal the plain versions in value and gradient: the memory-bounded log-probs
 (tepo.py's), and the forward that reads each prompt once (one forward of prompt + completion per row)."""
 
 import pytest
 import torch
 
 import tepo
-import tepokit.forward
+import tepokit.core.forward
 import train_small as ts
-from tepokit.forward import completion_logits, completion_logits_prompt_once, token_logprobs
-from tepokit.step_settings import step_settings
-from tepokit.model import build_char_tokenizer
+from tepokit.core.forward import completion_logits, completion_logits_prompt_once, token_logprobs
+from tepokit.fast.step_settings import step_settings
+from tepokit.setup.model import build_char_tokenizer
 from tepokit.tests.helpers import F64, assert_close
 
 
 def test_chunked_token_logprobs_equal_tepo_values_and_gradients(monkeypatch):
     """The memory-bounded log-probs (chunks of positions, softmax recomputed in the backward) give
     tepo.token_logprobs_from_logits' values and gradient, float64, several chunks, T != 1."""
-    monkeypatch.setattr(tepokit.forward, "LOGITS_CHUNK_BYTES", 4 * 11 * 5)        # 5 positions of V = 11 per chunk
+    monkeypatch.setattr(tepokit.core.forward, "LOGITS_CHUNK_BYTES", 4 * 11 * 5)        # 5 positions of V = 11 per chunk
     torch.manual_seed(0)
     logits = (3 * torch.randn(3, 7, 11, dtype=F64)).requires_grad_(True)
     tokens = torch.randint(11, (3, 7))
@@ -39,7 +39,7 @@ def test_the_prompt_once_twin_gives_the_logits_and_gradient_of_one_forward_per_r
     completion per row: --no-fast, or under gradient checkpointing) is the reference: float64, left-padded
     prompts shared by groups of 4, rows of different lengths, a micro-batch that splits a group. With --fast
     completion_logits hands over to the twin, except under gradient checkpointing."""
-    from tepokit.model import build_tiny_model
+    from tepokit.setup.model import build_tiny_model
     from tepokit.tests.helpers import hand_batch
     tok = build_char_tokenizer(["abc 0123456789"])
     torch.manual_seed(0)

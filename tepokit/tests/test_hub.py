@@ -1,11 +1,11 @@
-"""tepokit/hub.py: an unreachable hub found in seconds, and said in one line."""
+"""tepokit/plumbing/hub.py: an unreachable hub found in seconds, and said in one line."""
 import os
 import subprocess
 import sys
 import time
 
-import tepokit.hub
-from tepokit.hub import HUB_PROBE_SECONDS, use_offline_hub_if_unreachable
+import tepokit.plumbing.hub
+from tepokit.plumbing.hub import HUB_PROBE_SECONDS, use_offline_hub_if_unreachable
 from tepokit.tests.helpers import SCRIPT
 
 
@@ -18,7 +18,7 @@ def test_unreachable_hub_is_detected_in_seconds(monkeypatch):
     silent.listen()
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{silent.getsockname()[1]}")
     assert HUB_PROBE_SECONDS < 10
-    monkeypatch.setattr(tepokit.hub, "HUB_PROBE_SECONDS", 2)      # the same path, faster
+    monkeypatch.setattr(tepokit.plumbing.hub, "HUB_PROBE_SECONDS", 2)      # the same path, faster
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TEPO_HUB_UNREACHABLE", raising=False)
     for module in ("huggingface_hub.constants", "datasets.config"):

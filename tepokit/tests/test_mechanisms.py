@@ -1,4 +1,4 @@
-"""tepokit/mechanisms.py: what each mechanism did to the update, against the update computed without it."""
+"""tepokit/diagnostics/mechanisms.py: what each mechanism did to the update, against the update computed without it."""
 import copy
 import dataclasses
 import math
@@ -8,9 +8,9 @@ import torch
 
 import tepo
 import train_small as ts
-from tepokit.mechanisms import OFF, effect_check_interval, mechanism_effects, mechanisms
-from tepokit.step_settings import step_settings
-from tepokit.tests.helpers import F64, MICRO, hand_batch, micro_run, read_rows, run_main, without_timing
+from tepokit.diagnostics.mechanisms import OFF, effect_check_interval, mechanism_effects, mechanisms
+from tepokit.fast.step_settings import step_settings
+from tepokit.tests.helpers import F64, MICRO, hand_batch, read_rows, run_main, without_timing
 from tepokit.tests.test_train_small import float64_gpt2
 
 VOCAB, ROWS = 23, 16

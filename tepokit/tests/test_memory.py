@@ -1,4 +1,4 @@
-"""tepokit/memory.py: the memory plan, --dry-run, refusing a run that would not fit, measured peaks."""
+"""tepokit/tools/memory.py: the memory plan, --dry-run, refusing a run that would not fit, measured peaks."""
 import json
 import os
 import re
@@ -9,10 +9,12 @@ import pytest
 import torch
 
 import train_small as ts
-import tepokit.memory
-from tepokit.cli import parse_args
-from tepokit.memory import PHASES, check_memory, peak_memory_mb, reset_peak_memory
-from tepokit.task import format_prompt, load_task
+import tepokit.tools.memory
+from tepokit.cli.flags import parse_args
+from tepokit.tools.memory import PHASES, check_memory
+from tepokit.core.clock import peak_memory_mb, reset_peak_memory
+from tepokit.setup.task import load_task
+from tepokit.core.reward import format_prompt
 from tepokit.tests.helpers import SCRIPT, MICRO, run_main, read_rows
 
 
@@ -33,7 +35,7 @@ def test_a_run_that_fits_on_the_cpu_prints_the_plan_in_one_line(workdir, capsys)
 
 
 def test_a_run_that_would_not_fit_is_refused_in_one_line(workdir, monkeypatch, capsys):
-    monkeypatch.setattr(tepokit.memory, "device_memory", lambda device: 2**20)          # a 1 MiB device
+    monkeypatch.setattr(tepokit.tools.memory, "device_memory", lambda device: 2**20)          # a 1 MiB device
     with pytest.raises(SystemExit) as e:
         ts.main([*MICRO, "--out", "runs/too_big"])
     assert e.value.code == 2
@@ -146,7 +148,8 @@ def test_the_memory_check_runs_the_plans_worst_case_and_prints_each_phase_beside
     groups) with every row trained, every completion --max-new-tokens long though the model has an end
     token, every prompt at least --max-prompt-tokens long; each phase's measured peak beside its plan, in
     the output and in memory_check.json. The sampler's end tokens are as before after it."""
-    from tepokit import model, sampling
+    from tepokit.core import forward
+    from tepokit.fast import sampling
     from transformers import AutoTokenizer
     model_dir = make_model_dir(tmp_path / "model", vocab_size=512)
     with open(tmp_path / "data.jsonl", "w") as f:
@@ -171,4 +174,4 @@ def test_the_memory_check_runs_the_plans_worst_case_and_prints_each_phase_beside
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     questions = [json.loads(line)["question"] for line in open(tmp_path / "check" / "data.jsonl")]
     assert min(len(tokenizer(format_prompt(q)).input_ids) for q in questions) >= 40
-    assert sampling.eos_ids_of is model.eos_ids_of          # the check put back what it patched
+    assert sampling.eos_ids_of is forward.eos_ids_of          # the check put back what it patched

@@ -1,4 +1,4 @@
-"""tepokit/memory.py's plan against the tensor bytes real runs hold, phase by phase, counted as CUDA counts them.
+"""tepokit/tools/memory.py's plan against the tensor bytes real runs hold, phase by phase, counted as CUDA counts them.
 
 torch.cuda.max_memory_allocated counts the blocks of CUDA's caching allocator: each new tensor storage rounded
 up to 512 bytes, given back when the storage is freed, a view costing nothing. LiveBytes counts the same on
@@ -21,10 +21,11 @@ from torch.utils._pytree import tree_flatten
 
 import tepo
 import train_small as ts
-from tepokit import bench, sampling
-from tepokit.cli import objective_config, parse_args
-from tepokit.memory import PHASES, memory_plan, model_config_for_plan
-from tepokit.model import END, build_char_tokenizer, use_fused_gelu
+from tepokit.core import clock
+from tepokit.fast import sampling
+from tepokit.cli.flags import objective_config, parse_args
+from tepokit.tools.memory import PHASES, memory_plan, model_config_for_plan
+from tepokit.setup.model import END, build_char_tokenizer, use_fused_gelu
 
 
 class LiveBytes(TorchDispatchMode):
@@ -75,7 +76,7 @@ def test_live_bytes_counts_storages_as_cudas_allocator_does():
         assert counter.live == 0 and counter.peak == 3 * 4096
 
 
-# The clock's laps (tepokit/bench.PhaseClock) and the plan's phases; a step's rewards count with its generation.
+# The clock's laps (tepokit/clock.PhaseClock) and the plan's phases; a step's rewards count with its generation.
 LAPS = {"generate": "generation", "reward": "generation", "old_logprobs": "old log-probs", "update": "update",
         "measure": "entropy check"}     # the lap of the measurements after the update, of which the check peaks
 
@@ -90,7 +91,7 @@ def measured_phases(argv, monkeypatch) -> tuple[dict, int]:
         loop["peak"] = max(loop["peak"], counter.peak)
         counter.peak = counter.live
 
-    clock_init, clock_lap, evaluate, load_policy = (bench.PhaseClock.__init__, bench.PhaseClock.lap, ts.evaluate,
+    clock_init, clock_lap, evaluate, load_policy = (clock.PhaseClock.__init__, clock.PhaseClock.lap, ts.evaluate,
                                                     ts.load_policy)
 
     def init(clock):
@@ -114,8 +115,8 @@ def measured_phases(argv, monkeypatch) -> tuple[dict, int]:
             counter.track(tensor)
         return model, tokenizer
 
-    monkeypatch.setattr(bench.PhaseClock, "__init__", init)
-    monkeypatch.setattr(bench.PhaseClock, "lap", lap)
+    monkeypatch.setattr(clock.PhaseClock, "__init__", init)
+    monkeypatch.setattr(clock.PhaseClock, "lap", lap)
     monkeypatch.setattr(ts, "evaluate", evaluated)
     monkeypatch.setattr(ts, "load_policy", loaded)
     with counter, contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
@@ -144,7 +145,7 @@ def setup(tmp_path_factory):
     from transformers import GPT2Config, Qwen2Config
     d = tmp_path_factory.mktemp("memory_plan")
     with open(d / "data.jsonl", "w") as f:
-        for i in range(100):          # 20 of them held out (tepokit/task.py), more than --n-test 16
+        for i in range(100):          # 20 of them held out (tepokit/setup/task.py), more than --n-test 16
             question = " ".join(f"On day {j} Ann finds {i + j} more pens in the shed." for j in range(6))
             f.write(json.dumps({"question": question + " How many pens now?", "answer": f"#### {i}"}) + "\n")
 

@@ -1,4 +1,4 @@
-"""tepokit/model.py: the built-in tokenizer, loading a model (end tokens, dropout off), the warm-up cache
+"""tepokit/setup/model.py: the built-in tokenizer, loading a model (end tokens, dropout off), the warm-up cache
 (keyed by the data and the tokenizer, written once under a lock, never taken half-written)."""
 import contextlib
 import copy
@@ -17,14 +17,14 @@ import torch
 from transformers import AutoTokenizer
 
 import train_small as ts
-from tepokit import model as model_module
-from tepokit.cli import parse_args
-from tepokit.forward import completion_logits
-from tepokit.model import (START_MODEL_DIR, WARMUP_FILES, build_char_tokenizer, build_tiny_model, builtin_tokenizer,
-                           committed_start_model, eos_ids_of, is_complete_warmup, load_policy, prepare_start_model,
-                           sft_batch, warmup_cache_dir)
-from tepokit.rundir import lock_file
-from tepokit.task import format_prompt, load_task
+from tepokit.setup import model as model_module
+from tepokit.cli.flags import parse_args
+from tepokit.core.forward import completion_logits
+from tepokit.setup.model import START_MODEL_DIR, WARMUP_FILES, build_char_tokenizer, build_tiny_model, builtin_tokenizer, committed_start_model, is_complete_warmup, load_policy, prepare_start_model, sft_batch, warmup_cache_dir
+from tepokit.core.forward import eos_ids_of
+from tepokit.plumbing.rundir import lock_file
+from tepokit.setup.task import load_task
+from tepokit.core.reward import format_prompt
 from tepokit.tests.helpers import MICRO, REPO, SCRIPT, hand_batch, micro_run, wait_until
 
 
@@ -130,8 +130,8 @@ def test_warm_up_cache_is_keyed_by_the_data_and_the_tokenizer(tmp_path):
 
 WARM = [*MICRO, "--warmup-steps", "60"]
 WARM_SCRIPT = ("import sys, torch; sys.path.insert(0, sys.argv[1]); import train_small as ts; "
-               "from tepokit.cli import parse_args; from tepokit.model import prepare_start_model; "
-               "from tepokit.task import load_task; args, _ = parse_args(ts.Args, sys.argv[2:]); "
+               "from tepokit.cli.flags import parse_args; from tepokit.setup.model import prepare_start_model; "
+               "from tepokit.setup.task import load_task; args, _ = parse_args(ts.Args, sys.argv[2:]); "
                "print('entry', prepare_start_model(args, load_task(args), torch.device('cpu')), flush=True)")
 
 
@@ -274,7 +274,7 @@ def test_a_micro_run_prints_no_warning_and_no_transformers_bar(tmp_path):
 def test_the_built_in_tokenizer_and_the_fingerprint_of_a_task_are_made_once_per_content(monkeypatch):
     """The memory plan, the warm-up cache's key and the run's identity all need them; on a 50,000-row data set each
     takes seconds. A task whose rows change gets its own."""
-    from tepokit.task import task_fingerprint
+    from tepokit.setup.task import task_fingerprint
     task = load_task(ts.Args(n_train=300, n_test=50, difficulty=6))
     made, real = [], model_module.build_char_tokenizer
     monkeypatch.setattr(model_module, "build_char_tokenizer", lambda *a: made.append(a) or real(*a))

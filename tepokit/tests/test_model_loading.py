@@ -1,12 +1,12 @@
-"""tepokit/model.py's load_policy as a GPU run meets it: gradient checkpointing without transformers'
+"""tepokit/setup/model.py's load_policy as a GPU run meets it: gradient checkpointing without transformers'
 deprecation warning, and one "Loading weights" bar per model, not a second one for its reference model."""
 import warnings
 
 import torch
 
 import train_small as ts
-from tepokit.cli import parse_args
-from tepokit.model import build_char_tokenizer, load_policy
+from tepokit.cli.flags import parse_args
+from tepokit.setup.model import build_char_tokenizer, load_policy
 
 
 def test_a_model_loads_with_checkpointing_silently_and_its_reference_model_without_a_second_bar(tmp_path, capsys):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import train_small as ts
-from tepokit.cli import parse_args
+from tepokit.cli.flags import parse_args
 from tepokit.tests.helpers import MICRO, REPO, run_main
 
 

@@ -1,4 +1,4 @@
-"""tepokit/plot.py: `python -m tepokit.plot RUN_DIR`, the standard figures of a run, and its one-line refusals."""
+"""tepokit/tools/plot.py: `python -m tepokit.tools.plot RUN_DIR`, the standard figures of a run, and its one-line refusals."""
 import contextlib
 import io
 import json
@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tepokit import errors, plot
-from tepokit.plot import FIGURE_SIZES, FIGURES, TWO_PANELS, main
+from tepokit.plumbing import errors
+from tepokit.tools import plot
+from tepokit.tools.plot import FIGURE_SIZES, FIGURES, TWO_PANELS, main
 from tepokit.tests.helpers import MICRO, REPO, run_main
 
 
@@ -28,7 +29,7 @@ def micro_tepo_run(workdir):
 
 
 def test_the_command_the_summary_names_writes_every_figure_as_a_readable_png(micro_tepo_run, capsys):
-    """The end-of-run summary names `python -m tepokit.plot <run dir>`; that command writes the five standard
+    """The end-of-run summary names `python -m tepokit.tools.plot <run dir>`; that command writes the five standard
     figures into <run dir>/figures/: PNG images of the drawn size (inches x 110 dpi), RGB, not blank, and the
     same bytes when drawn again from the same logs."""
     run_dir, summary = micro_tepo_run
@@ -89,17 +90,17 @@ def test_bad_input_is_refused_in_one_line_with_exit_status_2_and_nothing_written
     with pytest.raises(SystemExit) as stop:
         main([str(run_dir)])
     lines = capsys.readouterr().err.splitlines()
-    assert stop.value.code == 2 and len(lines) == 1 and lines[0].startswith("python -m tepokit.plot: error: ")
+    assert stop.value.code == 2 and len(lines) == 1 and lines[0].startswith("python -m tepokit.tools.plot: error: ")
     assert needle in lines[0]
     assert (sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else None) == before      # nothing written
     assert errors.PROGRAM == "train_small.py"            # train_small.py's own error lines keep their name
 
 
 def test_the_module_runs_from_the_command_line():
-    done = subprocess.run([sys.executable, "-m", "tepokit.plot", "no/such/run"], cwd=REPO, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "tepokit.tools.plot", "no/such/run"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr == ("python -m tepokit.plot: error: no/such/run is not a run directory of train_small.py (it "
+    assert done.stderr == ("python -m tepokit.tools.plot: error: no/such/run is not a run directory of train_small.py (it "
                            "has no metrics.jsonl); give a run's --out\n")
 
 
@@ -145,7 +146,7 @@ def synthetic_run(run_dir: Path, objective="tepo", steps=40, check_every=4, rewa
 
 
 def drawn(run_dir: Path) -> dict:
-    """{file name: (figure or the note why there is none, notes)} as python -m tepokit.plot draws them."""
+    """{file name: (figure or the note why there is none, notes)} as python -m tepokit.tools.plot draws them."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -232,9 +233,9 @@ def test_the_reward_line_is_drawn_only_where_it_can_be_seen(tmp_path, close_figu
 @pytest.mark.parametrize("steps, checked", [(40, 10), (12, 3)])
 def test_the_entropy_change_figure_has_a_colour_bar_and_states_r_or_too_few_steps(tmp_path, close_figures, steps,
                                                                                     checked):
-    """r of predicted vs measured change is tepokit.stats.pearson over the checked steps (every 4th here), or
+    """r of predicted vs measured change is tepokit.diagnostics.stats.pearson over the checked steps (every 4th here), or
     'too few steps' below MIN_STEPS_FOR_R of them; the colour of the points is explained by a bar 'RL step'."""
-    from tepokit.stats import MIN_STEPS_FOR_R, pearson
+    from tepokit.diagnostics.stats import MIN_STEPS_FOR_R, pearson
     run_dir = synthetic_run(tmp_path / "run", steps=steps)
     run = plot.read_run(run_dir)
     figure, _ = drawn(run_dir)["entropy_change.png"]

@@ -1,4 +1,4 @@
-"""tepokit/report.py: --report-to sends a run's rows to the trackers, live, read back with TensorBoard's own
+"""tepokit/plumbing/report.py: --report-to sends a run's rows to the trackers, live, read back with TensorBoard's own
 reader; a missing tracker is refused before anything loads; a failing one does not stop the run."""
 import glob
 import importlib.util
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from tepokit import report
+from tepokit.plumbing import report
 from tepokit.tests.helpers import MICRO, assert_refused_in_one_line, read_rows, run_main
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")

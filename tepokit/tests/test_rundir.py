@@ -1,4 +1,4 @@
-"""tepokit/rundir.py: a run owns its directory, resume that cannot destroy, atomic writes in strict JSON,
+"""tepokit/plumbing/rundir.py: a run owns its directory, resume that cannot destroy, atomic writes in strict JSON,
 --steps, kill -9, and the operating system's errors in one line."""
 import io
 import json
@@ -13,9 +13,11 @@ import pytest
 import torch
 
 import train_small as ts
-from tepokit import cli, resume, rundir
-from tepokit.rundir import read_log, truncate_log, write_atomically
-from tepokit.summary import accuracy_with_interval, evaluation_line
+from tepokit.cli import flags as cli
+from tepokit.cli import resume
+from tepokit.plumbing import rundir
+from tepokit.plumbing.rundir import read_log, truncate_log, write_atomically
+from tepokit.diagnostics.summary import accuracy_with_interval, evaluation_line
 from tepokit.tests.helpers import (MICRO, SCRIPT, assert_refused_in_one_line, assert_whole_rows_without_duplicates,
                                    fake_run, read_details, read_rows, rows_in, run_main, start_process,
                                    strict_loads, wait_until, without_timing)
@@ -212,7 +214,7 @@ def test_an_out_that_holds_a_model_is_refused_and_left_alone_even_with_overwrite
     """A Hugging Face model directory (config.json, model.safetensors) is not a run: as --out it is refused in one
     line that says so, with or without --overwrite, and keeps its files; an empty directory is taken."""
     model_dir = tmp_path / "model"
-    from tepokit.model import build_char_tokenizer, build_tiny_model
+    from tepokit.setup.model import build_char_tokenizer, build_tiny_model
     build_tiny_model(ts.Args(n_layer=1, n_embd=32, n_head=2), build_char_tokenizer(["1+2"])).save_pretrained(model_dir)
     before = snapshot(model_dir)
     for extra in ([], ["--overwrite"]):
@@ -331,7 +333,7 @@ def test_a_failed_checkpoint_write_keeps_the_previous_checkpoint_and_resume_work
     with pytest.raises(OSError) as failure:
         run_main([*MICRO, "--objective", "grpo", "--steps", "3", "--out", out])
     monkeypatch.setattr(torch, "save", real_save)
-    from tepokit.errors import os_error_line
+    from tepokit.plumbing.errors import os_error_line
     line = os_error_line(failure.value)
     assert "checkpoint.pt" in line and f"--resume {out}" in line and "\n" not in line
     assert line.count("full?") == 1, line                       # the disk's question asked once
@@ -371,7 +373,7 @@ def test_a_full_disk_during_a_log_append_names_the_log_and_the_resume_command(wo
     with pytest.raises(OSError) as failure:
         run_main([*MICRO, "--objective", "grpo", "--steps", "3", "--out", out])
     monkeypatch.undo()
-    from tepokit.errors import os_error_line
+    from tepokit.plumbing.errors import os_error_line
     assert os_error_line(failure.value) == (f"could not write or read {out}/metrics.jsonl: No space left on device; "
                                             f"free some space on that disk; the last checkpoint is intact: continue "
                                             f"with python train_small.py --resume {out}")
@@ -482,7 +484,7 @@ def test_a_killed_writers_temporary_directory_goes_when_its_directory_is_written
     """save_pretrained_atomically runs under the lock of the directory it writes (the run's, the cache
     entry's): a .tmp-<name>-* beside it was left by a writer that was killed. Another name's is not ours."""
     from transformers import GPT2Config, GPT2LMHeadModel
-    from tepokit.model import build_char_tokenizer
+    from tepokit.setup.model import build_char_tokenizer
     for leftover in (".tmp-policy-killed", ".tmp-warmup-abc-killed"):
         os.makedirs(tmp_path / leftover)
         Path(tmp_path, leftover, "model.safetensors").write_bytes(b"half")

@@ -1,4 +1,4 @@
-"""tepokit/sampling.py: the KV-cache sampling loop against transformers' generate (same tokens under the
+"""tepokit/fast/sampling.py: the KV-cache sampling loop against transformers' generate (same tokens under the
 same random stream, same log-probs and entropies), its logits against a full forward, and when the old
 log-probs are the sampler's."""
 import dataclasses
@@ -9,14 +9,14 @@ from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, Qwen2Con
 
 import tepo
 import train_small as ts
-from tepokit.cuda_graph import static_generation
-from tepokit.forward import completion_logits
-from tepokit.model import (START_MODEL_DIR, build_char_tokenizer, build_tiny_model, load_policy, tiny_model_config,
+from tepokit.fast.cuda_graph import static_generation
+from tepokit.core.forward import completion_logits
+from tepokit.setup.model import (START_MODEL_DIR, build_char_tokenizer, build_tiny_model, load_policy, tiny_model_config,
                            use_fused_gelu)
-from tepokit.sampling import (STACKED_LOGITS_MAX_BYTES, recompute_old_logprobs, sample_generate, sample_gpt2,
+from tepokit.fast.sampling import (STACKED_LOGITS_MAX_BYTES, recompute_old_logprobs, sample_generate, sample_gpt2,
                               sampler_logprobs_wanted, stacked_logits_bytes, uses_loop)
-from tepokit.step_settings import step_settings
-from tepokit.task import make_arithmetic_task
+from tepokit.fast.step_settings import step_settings
+from tepokit.setup.task import make_arithmetic_task
 
 QUESTIONS = ["Ann has 3 pens and 4 more. How many?", "a?", "Bob has 12345 pens and 6789 more. How many pens?"]
 
@@ -172,7 +172,7 @@ def test_each_prompt_read_once_per_group_is_a_full_forward_in_float64(group_size
     """The loop keeps each prompt's keys and values once per group and each row's own completion apart;
     its logits at every completion position are a full forward's of prompt + completion (float64, prompts
     of different lengths), for groups of one and of three, with GPT-2's gelu_new and with the fused gelu
-    the runs load (tepokit.model.use_fused_gelu)."""
+    the runs load (tepokit.setup.model.use_fused_gelu)."""
     _, tok, enc, eos = tiny()
     config = tiny_model_config(ts.Args(n_layer=2, n_embd=32, n_head=2), tok)
     torch.manual_seed(1)

@@ -1,4 +1,4 @@
-"""--cuda-graphs (tepokit/cuda_graph.py): generation over a static KV cache, whose decode step a GPU replays as a
+"""--cuda-graphs (tepokit/fast/cuda_graph.py): generation over a static KV cache, whose decode step a GPU replays as a
 CUDA graph, against today's samplers on the CPU, where the same static-cache step runs eagerly. GPT-2's loop
 (sample_gpt2, static=True: every step reads all T completion positions, the unwritten ones masked) against
 itself as it was (reading t + 1 positions); sample_static_cache (transformers' StaticCache, our loop) against
@@ -11,9 +11,10 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, Qwen2Config
 
 import train_small as ts
-from tepokit import cuda_graph, sampling
-from tepokit.cuda_graph import static_decoder, static_generation
-from tepokit.sampling import sample, sample_generate, sample_gpt2, sample_static_cache, static_cache_problem
+from tepokit.fast import cuda_graph
+from tepokit.fast import sampling
+from tepokit.fast.cuda_graph import static_decoder, static_generation
+from tepokit.fast.sampling import sample, sample_generate, sample_gpt2, sample_static_cache, static_cache_problem
 from tepokit.tests.test_sampling import tiny
 
 
@@ -206,7 +207,7 @@ def test_the_static_decoder_feeds_its_own_inputs():
 
 
 def test_args_and_command_line():
-    from tepokit.cli import parse_args
+    from tepokit.cli.flags import parse_args
     args, _ = parse_args(ts.Args, ["--cuda-graphs", "off"])
     assert args.cuda_graphs == "off" and ts.Args().cuda_graphs == "auto"
     stderr = io.StringIO()

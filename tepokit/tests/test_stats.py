@@ -1,10 +1,10 @@
-"""tepokit/stats.py: t quantiles and intervals, pass@k, the accuracy AUC, against independent computations."""
+"""tepokit/diagnostics/stats.py: t quantiles and intervals, pass@k, the accuracy AUC, against independent computations."""
 import math
 
 import pytest
 import torch
 
-from tepokit.stats import (MIN_STEPS_FOR_R, accuracy_auc, pass_at_k, pass_k_values, pearson, student_t_central,
+from tepokit.diagnostics.stats import (MIN_STEPS_FOR_R, accuracy_auc, pass_at_k, pass_k_values, pearson, student_t_central,
                            t_interval, t_quantile_975)
 from tepokit.tests.helpers import brute_force_pass_at_k
 
@@ -55,7 +55,7 @@ def test_accuracy_auc_is_the_trapezoid_area_over_the_run_length():
 
 
 def test_mean_pass_at_k_averages_each_logged_k_over_problems():
-    from tepokit.stats import mean_pass_at_k
+    from tepokit.diagnostics.stats import mean_pass_at_k
     row = mean_pass_at_k([0, 2, 4], 4)
     assert sorted(row) == pass_k_values(4) == [1, 2, 4]
     assert row[1] == pytest.approx((0 + 0.5 + 1) / 3)

@@ -1,4 +1,4 @@
-"""tepokit/task.py: answer parsing (the reward), the built-in task, dataset files and their validation."""
+"""tepokit/setup/task.py: answer parsing (the reward), the built-in task, dataset files and their validation."""
 import contextlib
 import io
 import json
@@ -9,8 +9,8 @@ from decimal import Decimal
 import pytest
 
 import train_small as ts
-from tepokit.task import (gold_answer, load_task, make_arithmetic_task, parse_lenient, parse_strict, prompt_lengths,
-                          read_dataset, score_completions)
+from tepokit.setup.task import load_task, make_arithmetic_task, prompt_lengths, read_dataset
+from tepokit.core.reward import gold_answer, parse_lenient, parse_strict, score_completions
 from tepokit.tests.helpers import MICRO
 
 
@@ -168,7 +168,7 @@ def test_a_utf8_file_with_a_byte_order_mark_is_read(tmp_path, name):
     assert sorted([*task["train"]["question"], *task["test"]["question"]]) == sorted(r["question"] for r in rows)
 
 
-# ---- validation on load (tepokit/task.py::validate_task) -------------------------------------------------
+# ---- validation on load (tepokit/setup/task.py::validate_task) -------------------------------------------------
 
 def write_jsonl(path, rows):
     path.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in rows))

@@ -1,4 +1,4 @@
-"""tepokit/tepo_trl.py: TEPO and the other objectives inside TRL's GRPOTrainer (parity with TRL's own loss),
+"""tepokit/tools/tepo_trl.py: TEPO and the other objectives inside TRL's GRPOTrainer (parity with TRL's own loss),
 --engine trl."""
 import copy
 import dataclasses
@@ -16,11 +16,11 @@ import torch
 
 import tepo
 import train_small as ts
-from tepokit import resume
-from tepokit.cli import parse_args
-from tepokit.stop import Stopped
-from tepokit.model import prepare_start_model
-from tepokit.task import load_task
+from tepokit.cli import resume
+from tepokit.cli.flags import parse_args
+from tepokit.plumbing.signals import Stopped
+from tepokit.setup.model import prepare_start_model
+from tepokit.setup.task import load_task
 from tepokit.tests.helpers import (MICRO, assert_refused_in_one_line, line_of, read_rows, rows_in, run_main,
                                    signal_at, start_process, wait_until, without_timing)
 
@@ -49,7 +49,7 @@ def trl_model(workdir):
 
 def parity_trainer(model_dir, objective, cfg, trl_loss, out):
     import datasets
-    from tepokit import tepo_trl
+    from tepokit.tools import tepo_trl
     config = tepo_trl.grpo_config(
         objective, cfg, output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=2,
         num_generations=4, max_completion_length=12, temperature=1.0, top_k=0, top_p=1.0, seed=0, use_cpu=True,
@@ -165,7 +165,7 @@ def test_trl_engine_bad_split_is_one_line(trl_model, capsys):
 ])
 def test_trl_trainer_refuses_settings_it_would_ignore(setting, message, tmp_path):
     pytest.importorskip("trl")
-    from tepokit import tepo_trl
+    from tepokit.tools import tepo_trl
     from trl import GRPOConfig
     config = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", use_bias_correction_kl=False,
                         **setting)
@@ -288,7 +288,7 @@ def test_trl_engine_honours_a_signal_during_its_final_save_after_the_summary(trl
     """SIGTERM while --engine trl saves its final policy: the policy, the log and summary.json are written,
     then the run stops with 143 and says it is complete (the signal was once recorded and dropped)."""
     out = "runs/trl_final_signal"
-    from tepokit import tepo_trl
+    from tepokit.tools import tepo_trl
     with signal_at(tepo_trl.train, line_of(tepo_trl.train, "save_pretrained_atomically(trainer.model"), step=2), \
             pytest.raises(Stopped) as stop:
         ts.main([*MICRO, "--engine", "trl", "--objective", "grpo", "--steps", "2", "--save-every", "100",

@@ -1,4 +1,4 @@
-"""tepokit/tepo_trl.py in two processes (torchrun, gloo, CPU) against one process on the same global batch
+"""tepokit/tools/tepo_trl.py in two processes (torchrun, gloo, CPU) against one process on the same global batch
 (tepokit/tests/fixed_batch_step.py): one optimizer step gives the same loss and parameters, and the logged
 metrics are those of the global batch; a token count that is not gathered over processes breaks it."""
 import json
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tepokit import resume
+from tepokit.cli import resume
 from tepokit.tests.fixed_batch_step import expected_reward_mean, one_step, save_tiny_model
 from tepokit.tests.helpers import MICRO, REPO, SCRIPT
 

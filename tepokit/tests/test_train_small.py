@@ -11,10 +11,10 @@ import torch
 
 import tepo
 import train_small as ts
-from tepokit.model import build_char_tokenizer, build_tiny_model
-from tepokit.stats import accuracy_auc
-from tepokit.step_settings import step_settings
-from tepokit.summary import accuracy_with_interval
+from tepokit.setup.model import build_char_tokenizer, build_tiny_model
+from tepokit.diagnostics.stats import accuracy_auc
+from tepokit.fast.step_settings import step_settings
+from tepokit.diagnostics.summary import accuracy_with_interval
 from tepokit.tests.helpers import (F64, MICRO, assert_close, brute_force_pass_at_k, hand_batch, micro_run,
                                    read_details, read_rows, run_main, start_process, without_timing)
 
@@ -337,7 +337,7 @@ def test_evaluations_and_the_result_stay_on_screen_and_a_resumed_bar_counts_from
         in block
     for label in ("held-out accuracy", "sampled (T=1)", "token entropy", "KL mask (TEPO)", "files", "next"):
         assert f"\n  {label}" in block, label
-    assert "python -m tepokit.plot runs/screen" in block
+    assert "python -m tepokit.tools.plot runs/screen" in block
     run_main(["--resume", "runs/screen", "--steps", "3"])
     err = capsys.readouterr().err
     assert re.search(r"tepo seed 1:\s+67%\|[^|]*\| 2/3", err) and not re.search(r"tepo seed 1:\s+0%", err), err[-500:]
@@ -364,7 +364,7 @@ def test_entropy_coef_adds_the_bonus_to_the_objectives_loss_and_gradient(objecti
         losses.append(loss.detach())
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     run.cfg = tepo.config_for(objective, entropy_coef=0.7, **overrides)
-    from tepokit.forward import completion_logits
+    from tepokit.core.forward import completion_logits
     model.zero_grad(set_to_none=True)
     logits = completion_logits(model, batch, rows, run.settings.precision, run.settings.prompt_once)
     bonus = tepo.entropy_bonus(logits, batch.completion_mask, run.cfg, args.temperature, **counts)
@@ -414,7 +414,7 @@ def test_the_cue_variant_logs_how_often_the_policy_follows_the_cue(workdir):
 def test_two_runs_of_one_command_started_together_write_the_same_rows(tmp_path):
     """The same command and seed, twice at once on the default threads (each run's two threads then compete
     with the other's for the machine): the same metrics.jsonl, timings aside. Thread timing changed the
-    order of the gradient's additions into each prompt (tepokit/forward.py, copy_rows) from step 1 on."""
+    order of the gradient's additions into each prompt (tepokit/core/forward.py, copy_rows) from step 1 on."""
     argv = ["--steps", "6", "--eval-every", "6", "--pass-k-problems", "20"]
     runs = [start_process([*argv, "--out", str(tmp_path / name)]) for name in ("a", "b")]
     for process in runs:

@@ -4,7 +4,7 @@ with it, so that each process of an --engine trl run writes down what its reward
 of each process's own share of the rollout, to check the run's logged global metrics against, without a hook in
 the code under test.
 
-Only when $TEPO_RECORD_SCORES names a directory: each call of tepokit.task.score_completions made by TRL's
+Only when $TEPO_RECORD_SCORES names a directory: each call of tepokit.core.reward.score_completions made by TRL's
 reward function (tepo_trl.task_rewards' correct_answer, not the evaluation's calls) appends one JSON row to
 $TEPO_RECORD_SCORES/process_<RANK>.jsonl: the process id, the completions, their gold answers and scores."""
 import json
@@ -15,9 +15,9 @@ RECORD_DIR = os.environ.get("TEPO_RECORD_SCORES")
 
 if RECORD_DIR:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # as train_small.py sets it, before torch starts
-    from tepokit import task       # imported before train_small.py and tepo_trl import its score_completions
+    from tepokit.core import reward       # imported before train_small.py and tepo_trl import its score_completions
 
-    score_completions = task.score_completions
+    score_completions = reward.score_completions
 
     def recorded_score_completions(texts, golds):
         strict, lenient = score_completions(texts, golds)
@@ -28,4 +28,4 @@ if RECORD_DIR:
                 f.write(json.dumps(row) + "\n")
         return strict, lenient
 
-    task.score_completions = recorded_score_completions
+    reward.score_completions = recorded_score_completions
