@@ -57,33 +57,29 @@ import os
 import time
 from dataclasses import dataclass
 
-from tepokit.tools import bench
-from tepokit.cli import flags as cli
-from tepokit.tools import compare
-from tepokit.cli import resume
-from tepokit.plumbing import rundir  # first: tepokit/__init__.py sets OMP_WAIT_POLICY for torch
+from tepokit.cli import flags as cli     # first: tepokit/__init__.py sets OMP_WAIT_POLICY for torch
 import torch
 
 import tepo
-from tepokit.core.clock import PhaseClock
-from tepokit.plumbing.non_finite import check_finite, stops_on_divergence
-from tepokit.diagnostics.entropy_check import EntropyCheckPositions
-from tepokit.plumbing.errors import fail
-from tepokit.diagnostics.forking_tokens import eval_by_type
-from tepokit.core.forward import autocast, completion_logits, precision_noise_floor, token_entropy, token_logprobs
-from tepokit.diagnostics.after_step import measure_step, rollout_metrics
-from tepokit.tools.memory import check_memory, check_memory_on_device, dry_run
-from tepokit.core.clock import peak_memory_mb, process_memory_mb, reset_peak_memory
-from tepokit.setup.model import load_policy, pick_device, prepare_start_model
-from tepokit.core.forward import eos_ids_of
-from tepokit.plumbing.report import Trackers, trackers_of
-from tepokit.fast.sampling import sample
-from tepokit.diagnostics.stats import combine_micro_batches, mean_pass_at_k
-from tepokit.fast.step_settings import StepSettings, step_settings
-from tepokit.plumbing.signals import StopSignals, stopped_after
-from tepokit.diagnostics.summary import Progress, evaluation_line, write_summary
-from tepokit.setup.task import dataset_chunks, load_task, task_fingerprint
+from tepokit.cli import resume
+from tepokit.core.clock import PhaseClock, peak_memory_mb, process_memory_mb, reset_peak_memory
+from tepokit.core.forward import autocast, completion_logits, eos_ids_of, token_entropy, token_logprobs
 from tepokit.core.reward import format_prompt, gold_answer, score_completions
+from tepokit.diagnostics.after_step import measure_step, step_taps
+from tepokit.diagnostics.forking_tokens import eval_by_type
+from tepokit.diagnostics.stats import mean_pass_at_k
+from tepokit.diagnostics.summary import Progress, evaluation_line, write_summary
+from tepokit.fast.sampling import sample
+from tepokit.fast.step_settings import StepSettings, step_settings
+from tepokit.plumbing import rundir
+from tepokit.plumbing.errors import fail
+from tepokit.plumbing.non_finite import check_finite, stops_on_divergence
+from tepokit.plumbing.report import Trackers, trackers_of
+from tepokit.plumbing.signals import StopSignals, stopped_after
+from tepokit.setup.model import load_policy, pick_device, prepare_start_model
+from tepokit.setup.task import dataset_chunks, load_task, task_fingerprint
+from tepokit.tools import bench, compare
+from tepokit.tools.memory import check_memory, check_memory_on_device, dry_run
 
 
 # =====================================================================================================
@@ -213,15 +209,14 @@ class Rollout:
     truncated: torch.Tensor                     # [B] bool: stopped by --max-new-tokens, without an end token
     sampling_logp: torch.Tensor | None = None   # [B, T] log-prob of each token, from the logits that chose it
     sampling_entropy: torch.Tensor | None = None  # [B, T] entropy of those logits
-    sampling_logits: torch.Tensor | None = None   # [c, T, V] the raw logits of the first c rows (keep_logits_rows)
 
 
 @torch.no_grad()
 def generate_group(model, tokenizer, questions: list[str], group_size: int, args: Args, device,
-                   greedy: bool = False, want_logprobs: bool = False, keep_logits_rows: int = 0) -> Rollout:
+                   greedy: bool = False, want_logprobs: bool = False) -> Rollout:
     """G completions per prompt by model.generate, sampled at temperature T from softmax(z / T) (no top-k, no
     top-p), or greedily. With --fast, its twin tepokit/fast/sampling.py `sample`: the same tokens for the same seed,
-    and each token's log-prob and entropy (if want_logprobs) and the first rows' logits (keep_logits_rows)."""
+    and each token's log-prob and entropy (if want_logprobs)."""
     enc = tokenizer([format_prompt(q) for q in questions], return_tensors="pt", padding=True,
                     truncation=True, max_length=args.max_prompt_tokens)
     prompt_ids, prompt_mask = enc.input_ids.to(device), enc.attention_mask.to(device)          # [U, P]
@@ -229,7 +224,7 @@ def generate_group(model, tokenizer, questions: list[str], group_size: int, args
     eos_ids = eos_ids_of(model)
     if args.fast:    # the fast twin: each prompt read once per group, log-probs as it samples (tepokit/fast/sampling.py)
         out = sample(model, prompt_ids, prompt_mask, group_size, args.max_new_tokens, args.temperature, args.precision,
-                     args.sampler, args.cuda_graphs, greedy, keep_logits_rows, want_logprobs)
+                     args.sampler, args.cuda_graphs, greedy, want_logprobs)
     else:
         sampling = (dict(do_sample=False) if greedy         # top-k and top-p off: a model's own config may set them
                     else dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0))
@@ -243,8 +238,7 @@ def generate_group(model, tokenizer, questions: list[str], group_size: int, args
     ends_with_eos = torch.isin(completion_ids[:, -1], torch.tensor(eos_ids, device=device))
     return Rollout(prompt_ids=group_ids, prompt_mask=group_mask, completion_ids=completion_ids, completion_mask=mask,
                    truncated=(mask.sum(1) == completion_ids.shape[1]) & ~ends_with_eos,
-                   sampling_logp=out.get("logp"), sampling_entropy=out.get("entropy"),
-                   sampling_logits=out.get("logits"))
+                   sampling_logp=out.get("logp"), sampling_entropy=out.get("entropy"))
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
@@ -286,51 +280,60 @@ class Run:
     test_set: object
     first_step: int                     # 1, or the step after the checkpoint when resuming
     details_path: str | None            # details.jsonl, TEPO only
-    settings: StepSettings              # what the step's helpers read, resolved once (tepokit/fast/step_settings.py)
+    settings: StepSettings              # what the step reads, resolved once (tepokit/fast/step_settings.py)
     trackers: Trackers                  # --report-to: every metrics.jsonl row also goes there, live
-    clock: object = PhaseClock    # makes each step's clock (--bench and the memory check give their own)
+    clock: object = PhaseClock          # makes each step's clock (--bench and the memory check give their own)
 
 
 @dataclass
 class OldPolicy:
-    """The rollout (old) policy's view of a rollout, from before any update: what the ratios and the
-    KL terms of the update compare with. B rows of T completion positions; 0 after a row's end."""
+    """The rollout (old) policy's view of a rollout: what the ratios and the KL terms of the update compare
+    with. B rows of T completion positions; 0 after a row's end."""
     logp: torch.Tensor                  # [B, T] log pi_old of each sampled token
-    entropy: torch.Tensor               # [B, T] entropy of pi_old at each position
+    entropy: torch.Tensor               # [B, T] entropy of pi_old at each position (TEPO's measured criterion)
     ref_logp: torch.Tensor | None       # [B, T] the reference model's log-probs, when the objective needs them
-    entropy_check_positions: EntropyCheckPositions  # logits before the update where step 7 measures
 
 
-def rl_step(run: Run, step: int) -> tuple[dict, dict | None]:
-    """One RL step, the seven steps of the module docstring. B = --prompts-per-step x --group-size rows.
-    Returns its metrics row (one flat dict of numbers, docs/metrics.md) and, for TEPO, its details row."""
+@dataclass
+class StepRecord:
+    """What one RL step did, for the measurements that run after it (tepokit/diagnostics/after_step.py)."""
+    problems: object                    # the step's problems: a Dataset of B / G rows (question, answer, ...)
+    batch: Rollout                      # the completions
+    texts: list                         # [B] their texts
+    scored: dict                        # rewards, strict, lenient: [B] each
+    adv: torch.Tensor                   # [B] advantages
+    keep: torch.Tensor                  # [B] bool: the rows DAPO's filter kept
+    plan: list                          # the optimizer steps' micro-batches (minibatch_plan); [] = no update
+    old: OldPolicy                      # the old policy, as computed before the update
+    seen: OldPolicy                     # the old policy as the loss saw it (update_policy: the fast twin's first rows)
+    loss_saw: list                      # per optimizer step, per micro-batch: (rows [b], log pi [b, T], entropy
+    #                                     [b, T] or None), the loss's, detached
+    losses: dict                        # the loss's metrics, averaged over the optimizer steps
+    clock: object                       # the seconds of each phase
+
+
+def rl_step(run: Run, step: int, observe=None) -> StepRecord:
+    """One RL step, the six steps of the module docstring. B = --prompts-per-step x --group-size rows.
+    observe: called before each optimizer step (update_policy), the one place measurement looks inside."""
     args, settings, clock = run.args, run.settings, run.clock()   # clock: seconds (and FLOPs, --bench) of each phase
-    check_entropy = step % args.entropy_check_every == 0                # 7. runs on this step
-    records = run.train_set.select(prompts_for_step(step, len(run.train_set), args))  # 1. a Dataset: question, answer
-    batch = generate_group(run.model, run.tokenizer, list(records["question"]), args.group_size, args,  # 2. Rollout
-                           run.device, want_logprobs=settings.sampler_logprobs,
-                           keep_logits_rows=settings.checked_rows if check_entropy and not settings.recompute else 0)
+    problems = run.train_set.select(prompts_for_step(step, len(run.train_set), args))   # 1. question, answer
+    batch = generate_group(run.model, run.tokenizer, list(problems["question"]), args.group_size, args,  # 2.
+                           run.device, want_logprobs=settings.sampler_logprobs)
     clock.lap("generate")
     texts = decode(run.tokenizer, batch)                                                # [B] str
-    golds = [gold_answer(a) for a in records["answer"] for _ in range(args.group_size)]  # [B] right numbers
+    golds = [gold_answer(a) for a in problems["answer"] for _ in range(args.group_size)]  # [B] right numbers
     scored = compute_rewards(texts, golds, batch.completion_mask.sum(1), args, run.cfg)  # 3. rewards, strict, lenient
     adv, keep = compute_advantages(scored["rewards"], args, run.cfg)                    # 4. [B] float, [B] bool
     clock.lap("reward")
     for group in run.optimizer.param_groups:
         group["lr"] = learning_rate(step, args)
     plan = minibatch_plan(keep, args, settings.rows_per_forward)  # rows [b] per micro-batch per optimizer step
-    check_entropy = check_entropy and bool(plan)       # no update, no entropy change to measure
-    old, rollout_stats = rollout_statistics(run, batch, adv, plan, check_entropy)   # 5. OldPolicy; dict of floats
+    old = old_policy(run, batch, plan)                                                  # 5. OldPolicy
     clock.lap("old_logprobs")
-    losses, old, seen = update_policy(run, batch, old, adv, plan) if plan else ({}, old, [])   # 6. (its docstring)
+    losses, seen, loss_saw = update_policy(run, batch, old, adv, plan, observe) if plan else ({}, old, [])   # 6.
     clock.lap("update")
-    measured, details = measure_step(run, step, batch, old, adv, plan, seen, texts, records, scored,   # 7. dict,
-                                     check_entropy)                                 # and TEPO's details.jsonl row
-    clock.lap("measure")
-    tokens = batch.completion_mask.sum().item()
-    row = {"step": step, **rollout_metrics(batch, scored, keep, args.group_size), **rollout_stats, **losses, **measured,
-           **clock.row(), "perf/tokens_per_second": tokens / clock.total()}
-    return row, details
+    return StepRecord(problems=problems, batch=batch, texts=texts, scored=scored, adv=adv, keep=keep, plan=plan,
+                      old=old, seen=seen, loss_saw=loss_saw, losses=losses, clock=clock)
 
 
 def learning_rate(step: int, args: Args) -> float:
@@ -372,17 +375,15 @@ def minibatch_plan(keep: torch.Tensor, args: Args, rows_per_forward: int) -> lis
 
 
 @torch.no_grad()
-def rollout_statistics(run: Run, batch: Rollout, adv: torch.Tensor, plan: list, check_entropy: bool = True):
-    """Before any update: the old policy (log-probs, entropy, reference log-probs, and the logits the
-    entropy check starts from) and the rollout's statistics (mean entropy, Cov(log pi, A), precision).
-    Returns (OldPolicy, metrics).
+def old_policy(run: Run, batch: Rollout, plan: list) -> OldPolicy:
+    """Before any update: the old policy's log-probs and entropies, and the reference model's log-probs.
 
-    The old log-probs and entropies come from a no-grad forward pass of the policy, with the SAME micro-batches
-    as the update's first epoch (the rows its optimizer steps will see), so the first of them is exactly
-    on-policy whatever the kernels: same rows, same shapes, same arithmetic. Rows no optimizer step sees
-    (dropped by DAPO's filter) are still needed for the rollout's entropy and covariance. Their fast twin
-    (--fast, in fp32 with the loop sampler; tepokit/fast/sampling.py recompute_old_logprobs says when) takes the
-    sampler's, computed from the logits that chose each token: no forward pass.
+    They come from a no-grad forward pass of the policy, with the SAME micro-batches as the update's first epoch
+    (the rows its optimizer steps will see), so the first of them is exactly on-policy whatever the kernels: same
+    rows, same shapes, same arithmetic. Rows no optimizer step sees (dropped by DAPO's filter) are still needed
+    for the rollout's entropy. Their fast twin (--fast, in fp32 with the loop sampler; recompute_old_logprobs in
+    tepokit/fast/sampling.py says when) takes the sampler's, computed from the logits that chose each token: no
+    forward pass.
     """
     settings, B = run.settings, batch.completion_ids.shape[0]
     mask = batch.completion_mask                                                 # [B, T]
@@ -393,120 +394,122 @@ def rollout_statistics(run: Run, batch: Rollout, adv: torch.Tensor, plan: list, 
     unseen = torch.arange(B)[~seen]
     forwards = first_epoch + (list(unseen.split(settings.rows_per_forward)) if len(unseen) else [])
     dtype = torch.promote_types(next(run.model.parameters()).dtype, torch.float32)  # float64 in the tests
-    positions = EntropyCheckPositions(batch, settings.checked_rows if check_entropy else 0)
-    ref_logp = None
-    if run.ref_model is not None:
-        ref_logp = torch.zeros(mask.shape, dtype=dtype, device=mask.device)        # [B, T]
+
+    def logprobs_and_entropy(model, with_entropy: bool):     # [B, T] each, one forward per micro-batch
+        logp, entropy = torch.zeros(mask.shape, dtype=dtype, device=mask.device), None
+        entropy = torch.zeros_like(logp) if with_entropy else None
         for rows in forwards:
-            ref_logp[rows] = token_logprobs(                # its logits [b, T, V] gone before the next forward
-                completion_logits(run.ref_model, batch, rows, settings.precision, settings.prompt_once),
-                batch.completion_ids[rows.to(mask.device)], settings.temperature).to(dtype)
-    if settings.recompute:
-        old_logp = torch.zeros(mask.shape, dtype=dtype, device=mask.device)         # [B, T]
-        entropy = torch.zeros_like(old_logp)                                        # [B, T]
-        for rows in forwards:
-            logits = completion_logits(run.model, batch, rows, settings.precision, settings.prompt_once)  # [b, T, V]
-            old_logp[rows] = token_logprobs(logits, batch.completion_ids[rows.to(mask.device)],
-                                            settings.temperature).to(dtype)
-            entropy[rows] = token_entropy(logits, settings.temperature).to(dtype)
-            positions.capture(rows, logits)
+            logits = completion_logits(model, batch, rows, settings.precision, settings.prompt_once)   # [b, T, V]
+            logp[rows] = token_logprobs(logits, batch.completion_ids[rows.to(mask.device)],
+                                        settings.temperature).to(dtype)
+            if with_entropy:
+                entropy[rows] = token_entropy(logits, settings.temperature).to(dtype)
             del logits                 # before the next forward allocates its own
+        return logp, entropy
+
+    ref_logp = logprobs_and_entropy(run.ref_model, False)[0] if run.ref_model is not None else None
+    if settings.recompute:
+        old_logp, entropy = logprobs_and_entropy(run.model, True)
     else:                              # the twin: the sampler's, at the same temperature (update_policy replaces
         old_logp = batch.sampling_logp.to(dtype)                 # the first mini-batch's with its own forward's)
         entropy = batch.sampling_entropy.to(dtype)                               # [B, T]
-        if positions.rows:
-            positions.capture(torch.arange(positions.rows), batch.sampling_logits[:positions.rows])
-    old = OldPolicy(logp=old_logp, entropy=entropy, ref_logp=ref_logp, entropy_check_positions=positions)
-    covariance = tepo.token_covariance(old_logp, adv.to(mask.device), mask)        # [B, T]
-    metrics = {"entropy": tepo.masked_mean(entropy, mask).item(),
-               "cov/logp_adv": tepo.masked_mean(covariance, mask).item(),
-               **precision_noise_floor(run.model, batch, forwards[0], old_logp, settings)}
-    if settings.recompute and batch.sampling_logp is not None:    # how far the sampler's were from the recomputed
-        gap = (batch.sampling_logp - old_logp).abs()[mask.bool()]
-        metrics["logprobs/sampling_vs_recomputed_max_abs"] = gap.max().item()
-    return old, metrics
+    return OldPolicy(logp=old_logp, entropy=entropy, ref_logp=ref_logp)
 
 
-def update_policy(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor, plan: list) -> tuple:
+def update_policy(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor, plan: list, observe=None) -> tuple:
     """One optimizer step per mini-batch of the plan, its gradient accumulated over its micro-batches. Returns
     the losses' metrics (averaged over the optimizer steps), the old policy the loss compared with (a copy of
     `old`, below) and what the loss saw (per optimizer step, per micro-batch: rows [b], log pi [b, T], entropy
-    [b, T] or None; detached), for the measurements after the update.
+    [b, T] or None; detached), for the measurements after the step.
 
-    With the sampler's old log-probs (the fast twin, rollout_statistics), which differ from the policy's forward
-    by rounding: before the first optimizer step the policy IS the old policy, so the first mini-batch's own
-    forward becomes the old policy of its rows, the step is exactly on-policy, and later epochs read those values.
+    With the sampler's old log-probs (the fast twin, old_policy), which differ from the policy's forward by
+    rounding: before the first optimizer step the policy IS the old policy, so the first mini-batch's own forward
+    becomes the old policy of its rows, the step is exactly on-policy, and later epochs read those values.
 
     The objective is told the mini-batch's token and sequence counts (num_tokens, num_seqs), so the
     micro-batch losses add up to the mini-batch's loss, gradient included (tepo.aggregate_loss).
     Exact for every objective whose loss is a sum over tokens or sequences; the ones that select
     tokens by statistics of the batch (Clip-Cov, KL-Cov, TEPO's `cov` criterion: the covariance's
     centring, the top-k and the random draw) compute those per micro-batch, as verl does.
+
+    observe(i, n, batch, micro_batches, model), if given, is called before each optimizer step i of n, once its
+    gradient is accumulated and before it is clipped: the one place where a measurement may look inside the
+    update (tepokit/core/taps.py). It changes nothing the update computes.
     """
     model, args = run.model, run.args
     if args.gradient_checkpointing:
         model.train()   # transformers checkpoints only in train mode; dropout is off (switch_off_dropout)
     mask, adv = batch.completion_mask, adv.to(batch.completion_mask.device)
-    old_logp, old_entropy = old.logp.clone(), old.entropy.clone()       # [B, T]: the old policy as the loss sees it
-    steps, first, seen = [], None, []
+    seen = OldPolicy(logp=old.logp.clone(), entropy=old.entropy.clone(), ref_logp=old.ref_logp)  # as the loss sees it
+    steps, loss_saw = [], []
     for i, micro_batches in enumerate(plan):
         rows = torch.cat(micro_batches)
         counts = dict(num_tokens=mask[rows].sum().item(), num_seqs=float(len(rows)))   # the whole mini-batch's
         run.optimizer.zero_grad(set_to_none=True)
-        parts, seen_here = [], []
+        parts, saw = [], []
         for micro in micro_batches:
             on_policy = i == 0 and not run.settings.recompute   # the twin's: its own forward is the old policy
-            loss, metrics, log_ratio, micro_seen = micro_batch_loss(run, batch, old_logp, old_entropy, old.ref_logp,
-                                                                    adv, micro, counts, on_policy)
+            loss, metrics, logp, entropy = micro_batch_loss(run, batch, seen, adv, micro, counts, on_policy)
             loss.backward()
             if on_policy:
-                old_logp[micro_seen[0]] = micro_seen[1].to(old_logp.dtype)
-                if micro_seen[2] is not None:
-                    old_entropy[micro_seen[0]] = micro_seen[2].to(old_entropy.dtype)
+                seen.logp[micro] = logp.to(seen.logp.dtype)
+                if entropy is not None:
+                    seen.entropy[micro] = entropy.to(seen.entropy.dtype)
             parts.append((metrics, mask[micro].sum().item()))
-            seen_here.append(micro_seen)
-            if first is None:   # before any optimizer step: the first micro-batch must be exactly on-policy
-                first = log_ratio
-        seen.append(seen_here)
+            saw.append((micro, logp, entropy))
+        loss_saw.append(saw)
         metrics = combine_micro_batches(parts)
+        if observe is not None:         # the measurements' one look inside the update (tepokit/core/taps.py)
+            observe(i, len(plan), batch, micro_batches, model)
         metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
         run.optimizer.step()
         steps.append(metrics)
     model.eval()
     out = {key: sum(m[key] for m in steps) / len(steps) for key in steps[0]}
     out["ratio/min"], out["ratio/max"] = min(m["ratio/min"] for m in steps), max(m["ratio/max"] for m in steps)
-    out["logprobs/first_minibatch_max_abs_log_ratio"] = first.max().item() if len(first) else 0.0
-    out["logprobs/first_minibatch_mean_abs_log_ratio"] = first.mean().item() if len(first) else 0.0
-    return out, dataclasses.replace(old, logp=old_logp, entropy=old_entropy), seen
+    return out, seen, loss_saw
 
 
-def micro_batch_loss(run: Run, batch: Rollout, old_logp: torch.Tensor, old_entropy: torch.Tensor,
-                     ref_logp: torch.Tensor | None, adv: torch.Tensor, rows: torch.Tensor, counts: dict,
+def micro_batch_loss(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor, rows: torch.Tensor, counts: dict,
                      on_policy: bool = False):
-    """The objective on one micro-batch: (loss [], metrics, |log pi - log pi_old| at its valid tokens [n], and
-    what it saw: (rows [b], log pi [b, T], entropy [b, T] or None), detached). old_logp, old_entropy, ref_logp:
-    [B, T] over the whole rollout. on_policy: this forward is the old policy of its rows (update_policy says
-    why); the returned gap then measures how far the old log-probs it was given were from it."""
+    """The objective on one micro-batch: (loss [], metrics, log pi [b, T] and the entropy [b, T] if the objective
+    read it, else None, detached). old: the old policy as the loss sees it, [B, T] over the whole rollout;
+    on_policy: this forward is the old policy of its rows (update_policy says why)."""
     settings, cfg = run.settings, run.cfg
     idx = rows.to(adv.device)
     mask, tokens = batch.completion_mask[idx], batch.completion_ids[idx]     # [b, T]
     logits = completion_logits(run.model, batch, rows, settings.precision, settings.prompt_once)   # [b, T, V]
     logp = token_logprobs(logits, tokens, settings.temperature)                      # [b, T]
-    # The current entropy: for the objective when its criterion needs it, and for TEPO always, whose details.jsonl
-    # sets its two entropy criteria side by side (tepokit/diagnostics/kl_mask_details.py); the loss gets it only in the first case.
-    needs_entropy = tepo.needs_entropy(settings.objective, cfg)
-    entropy = token_entropy(logits, settings.temperature) if needs_entropy or settings.objective == "tepo" else None
-    log_ratio = (logp.detach() - old_logp[idx]).abs()[mask.bool()]
-    old_logp = logp.detach().to(old_logp.dtype) if on_policy else old_logp[idx]                   # [b, T]
-    own_entropy = on_policy and entropy is not None
-    old_entropy = entropy.detach().to(old_entropy.dtype) if own_entropy else old_entropy[idx]     # [b, T]
-    ref = ref_logp[idx] if ref_logp is not None else None
-    loss, metrics = run.objective(logp, old_logp, adv[idx], mask, cfg, ref_logp=ref,
-                                  entropy=entropy if needs_entropy else None,
-                                  old_entropy=old_entropy if needs_entropy else None, **counts)
+    # the current entropy, when the objective's criterion reads it (TEPO's `measured`)
+    entropy = token_entropy(logits, settings.temperature) if tepo.needs_entropy(settings.objective, cfg) else None
+    old_logp = logp.detach().to(old.logp.dtype) if on_policy else old.logp[idx]                  # [b, T]
+    old_entropy = None
+    if entropy is not None:
+        old_entropy = entropy.detach().to(old.entropy.dtype) if on_policy else old.entropy[idx]    # [b, T]
+    ref = old.ref_logp[idx] if old.ref_logp is not None else None
+    loss, metrics = run.objective(logp, old_logp, adv[idx], mask, cfg, ref_logp=ref, entropy=entropy,
+                                  old_entropy=old_entropy, **counts)
     loss = loss + tepo.entropy_bonus(logits, mask, cfg, settings.temperature, **counts)   # 0 unless --entropy-coef
-    return loss, metrics, log_ratio, (idx, logp.detach(), entropy.detach() if entropy is not None else None)
+    return loss, metrics, logp.detach(), entropy.detach() if entropy is not None else None
 
+
+def combine_micro_batches(parts: list[tuple[dict, int]]) -> dict:
+    """One mini-batch's metrics from its micro-batches' (metrics, valid tokens): the loss and its parts
+    add up (each micro-batch's loss is its share of the mini-batch's); ratio extremes are extremes;
+    on_policy holds if it held everywhere; every other metric is a token-weighted mean."""
+    total = sum(n for _, n in parts) or 1
+    out = {}
+    for key in parts[0][0]:
+        values = [m[key] for m, _ in parts]
+        if key in ("loss", "pg_loss", "kl_loss"):
+            out[key] = sum(values)
+        elif key in ("ratio/min", "on_policy"):
+            out[key] = min(values)
+        elif key == "ratio/max":
+            out[key] = max(values)
+        else:
+            out[key] = sum(v * n for v, (_, n) in zip(values, parts)) / total
+    return out
 
 # =====================================================================================================
 # 5. Evaluation on held-out problems
@@ -560,7 +563,12 @@ def train(args: Args, obj_overrides: dict, clock=PhaseClock) -> dict:
         for step in progress:
             t0 = time.time()
             with stops_on_divergence(step, run):      # a non-finite loss, gradient or weight ends the run here,
-                row, details_row = rl_step(run, step)  # before anything of the step is saved (tepokit/plumbing/non_finite.py)
+                taps = step_taps(run, step)           # before anything of the step is saved (plumbing/non_finite.py)
+                record = rl_step(run, step, observe=taps)     # taps: what the measurements need from inside it
+                measured, details_row = measure_step(run, step, record, taps)     # 7. measure, after the step
+                record.clock.lap("measure")
+                row = {"step": step, **record.losses, **measured, **record.clock.row(),
+                       "perf/tokens_per_second": record.batch.completion_mask.sum().item() / record.clock.total()}
                 check_finite(step, row, run)
                 # The final evaluation, off the schedule, leaves the RNG as it found it, so that a run extended
                 # later (--resume --steps) equals an unbroken one.

@@ -154,24 +154,6 @@ def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return tepo.entropy_from_logits(logits.detach(), temperature, positions_per_chunk(logits.shape[-1]))
 
 
-@torch.no_grad()
-def precision_noise_floor(model, batch, rows: torch.Tensor, logp: torch.Tensor, settings) -> dict:
-    """How far the run's precision puts the log-probs from float32's, on one micro-batch: max and mean
-    |log pi(bf16 autocast) - log pi(fp32)| over its valid tokens (0 in fp32, not computed). settings: the run's
-    StepSettings (tepokit/fast/step_settings.py): its precision, prompt_once and temperature.
-
-    Any ratio band or masked penalty that acts on smaller log-ratios than this acts on rounding
-    noise: GSPO's and TEPO's band is (1 - 3e-4, 1 + 4e-4), i.e. |log s| < 4e-4.
-    """
-    if settings.precision == "fp32":
-        return {"precision/logp_error_max": 0.0, "precision/logp_error_mean": 0.0}
-    exact = token_logprobs(completion_logits(model, batch, rows, "fp32", settings.prompt_once),
-                           batch.completion_ids[rows.to(logp.device)], settings.temperature)
-    valid = batch.completion_mask[rows.to(logp.device)].bool()
-    error = (logp[rows] - exact).abs()[valid]
-    return {"precision/logp_error_max": error.max().item(), "precision/logp_error_mean": error.mean().item()}
-
-
 def as_list(ids) -> list:
     return list(ids) if isinstance(ids, (list, tuple)) else [ids]
 

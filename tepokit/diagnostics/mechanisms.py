@@ -1,5 +1,5 @@
 """What each mechanism of the objective did to the update: the tokens it touched and how much it changed the
-gradient, measured after the RL step's update on the same rows, with the mechanism on and switched off.
+gradient, measured at the RL step's last optimizer step, on its rows, with the mechanism on and switched off.
 
 A mechanism is a part of an objective that exists to change the plain policy gradient: PPO's clip at each
 bound, dual-clip, a KL term to the reference, Clip-Cov's detached tokens, KL-Cov's penalty, TEPO's KL mask.
@@ -15,23 +15,26 @@ they have little or nothing to do. This module measures it, every --effect-check
                                        took it all away: its token count tells which)
   effect/tokens                        valid tokens measured (the denominator of the counts)
 
-g_on is the gradient of the objective with respect to every parameter on the rows of the step's last mini-batch
-(aggregated as the update aggregates it); g_off the same with the mechanism switched off (`mechanisms` says how),
-everything else equal. It is a counterfactual on the same rows, parameters and old log-probs, taken where the RL
-step ends: at the parameters its optimizer steps made, so it is the update one more optimizer step on those rows
-would take. The drift from the old policy is then the largest the step's own optimizer steps saw (its first
-mini-batch saw none): a mechanism that changes nothing here had nothing to act on in the step, and one that acts
-here acted on the step's later optimizer steps by about as much or less. The gradient is the loss's, before
-gradient clipping and Adam. It costs one forward over those rows and one backward for the objective and for each
-mechanism that changed some token's gradient.
+g_on is the gradient of the objective with respect to every parameter on the rows of the step's LAST optimizer step
+(aggregated as the update aggregates it), at that optimizer step's parameters and with the old log-probs its loss
+compared with: the gradient that optimizer step applied, before clipping and Adam (tepokit/tests/test_mechanisms.py
+checks it to 1e-9 in float64). g_off is the same with the mechanism switched off (`mechanisms` says how),
+everything else equal: a counterfactual of one real optimizer step. Which one is logged as effect/optimizer_step
+(1-based) of effect/optimizer_steps: the last, where the policy has drifted furthest from the old one within the
+step (its first mini-batch saw no drift at all); a mechanism acts less, or not at all, on the step's earlier
+optimizer steps. It costs a copy of the parameters (kept by the update's taps, tepokit/core/taps.py), one forward
+over those rows and one backward for the objective and for each mechanism that changed some token's gradient,
+after the step.
 
-The update never knows it was measured: the measurement runs after it, takes its gradients with
-torch.autograd.grad (the parameters' .grad is untouched), and draws no random number from the run's
-stream (Clip-Cov's random draw runs on a forked generator, the same draw for g_on and g_off).
+The update never knows it was measured: the copy is taken before its optimizer step and the measurement runs
+after the RL step, with the parameters set to the copy for its duration (parameters_set_to), takes its gradients
+with torch.autograd.grad (the parameters' .grad is untouched), and draws no random number from the run's stream
+(Clip-Cov's random draw runs on a forked generator, the same draw for g_on and g_off).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -101,16 +104,30 @@ def token_gradients(objective, logp, old_logp, adv, mask, cfg, seed: int, **inpu
     return grad
 
 
-def mechanism_effects(model, batch, old, adv: torch.Tensor, plan: list, objective_name: str,
-                      cfg: tepo.ObjectiveConfig, settings, seed: int, decisions: torch.Tensor | None = None) -> dict:
-    """The effect/ metrics (module docstring) of this step, after its update. `batch` is the rollout, `old`
-    the OldPolicy, adv [B], `plan` the update's mini-batches (lists of micro-batch rows [b]; the last is measured),
-    settings the run's StepSettings (tepokit/fast/step_settings.py: its forward's precision and prompt_once, and the
-    temperature), decisions [B, T] 1 at the decision tokens (the hidden-type task) or None. Nothing is measured
-    without a plan."""
+@contextlib.contextmanager
+def parameters_set_to(model, values: list):
+    """The model's parameters hold `values` (tensors in model.parameters() order) for the block's duration, then
+    their own values again, exactly: the tensors are swapped, not copied. Gradients taken inside are with respect to
+    the model's own parameters, at those values."""
+    params = list(model.parameters())
+    own = [p.data for p in params]
+    try:
+        for p, value in zip(params, values):
+            p.data = value
+        yield
+    finally:
+        for p, value in zip(params, own):
+            p.data = value
+
+
+def mechanism_gradients(model, batch, old, adv: torch.Tensor, micro_batches: list, objective_name: str,
+                        cfg: tepo.ObjectiveConfig, settings, seed: int, decisions: torch.Tensor | None = None):
+    """The gradients g_on and each g_off (module docstring) over one mini-batch at the model's current parameters,
+    and the tokens each mechanism touched: ({"on": [grad per parameter], <mechanism>: [...]}, counts, valid tokens).
+    `batch` is the rollout, `old` the old policy as the loss saw it (train_small.OldPolicy), adv [B], micro_batches
+    the mini-batch's rows [b] per micro-batch, settings the run's StepSettings (its forward's precision and
+    prompt_once, and the temperature), decisions [B, T] 1 at the decision tokens (the hidden-type task) or None."""
     switches = mechanisms(objective_name, cfg)
-    if not plan or not switches:
-        return {}
     objective = tepo.OBJECTIVES[objective_name]
     params = [p for p in model.parameters() if p.requires_grad]
     names = ["on", *switches]
@@ -119,7 +136,6 @@ def mechanism_effects(model, batch, old, adv: torch.Tensor, plan: list, objectiv
     counts = {f"{m}/{kind}": 0 for m in switches for kind in ("tokens", "tokens_rewarded", "tokens_decision")}
     n_valid = 0
     adv = adv.to(batch.completion_mask.device)
-    micro_batches = plan[-1]                   # the rows of the step's last optimizer step
     rows = torch.cat(micro_batches)
     mb_counts = dict(num_tokens=batch.completion_mask[rows].sum().item(), num_seqs=float(len(rows)))
     for micro in micro_batches:
@@ -156,6 +172,21 @@ def mechanism_effects(model, batch, old, adv: torch.Tensor, plan: list, objectiv
                     if g is not None:
                         acc += g.to(acc.dtype)
         del logits, logp
+    return total, counts, n_valid
+
+
+def mechanism_effects(model, parameters: list, batch, old, adv: torch.Tensor, micro_batches: list,
+                      objective_name: str, cfg: tepo.ObjectiveConfig, settings, seed: int,
+                      decisions: torch.Tensor | None = None) -> dict:
+    """The effect/ metrics (module docstring) of one optimizer step: its parameters (`parameters`, in
+    model.parameters() order, as the update's taps kept them) and its mini-batch (micro_batches: rows [b] per
+    micro-batch); the rest as mechanism_gradients. Nothing is measured for an objective without mechanisms."""
+    switches = mechanisms(objective_name, cfg)
+    if not switches:
+        return {}
+    with parameters_set_to(model, parameters):
+        total, counts, n_valid = mechanism_gradients(model, batch, old, adv, micro_batches, objective_name, cfg,
+                                                     settings, seed, decisions)
     g_on = torch.cat([g.flatten() for g in total["on"]]).double()        # float64: a cosine of 1 reads 1
     norm_on = g_on.norm()
     out = {"effect/tokens": float(n_valid)}

@@ -107,20 +107,3 @@ def student_t_central(t: float, dof: int) -> float:
     return sin * series
 
 
-def combine_micro_batches(parts: list[tuple[dict, int]]) -> dict:
-    """One mini-batch's metrics from its micro-batches' (metrics, valid tokens): the loss and its parts
-    add up (each micro-batch's loss is its share of the mini-batch's); ratio extremes are extremes;
-    on_policy holds if it held everywhere; every other metric is a token-weighted mean."""
-    total = sum(n for _, n in parts) or 1
-    out = {}
-    for key in parts[0][0]:
-        values = [m[key] for m, _ in parts]
-        if key in ("loss", "pg_loss", "kl_loss"):
-            out[key] = sum(values)
-        elif key in ("ratio/min", "on_policy"):
-            out[key] = min(values)
-        elif key == "ratio/max":
-            out[key] = max(values)
-        else:
-            out[key] = sum(v * n for v, (_, n) in zip(values, parts)) / total
-    return out

@@ -98,12 +98,12 @@ def sample_step(logits: torch.Tensor, temperature: float, greedy: bool) -> tuple
 
 @torch.no_grad()
 def sample_gpt2(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens: int, temperature: float,
-                eos_ids: list[int], pad_id: int, greedy: bool = False, keep_logits_rows: int = 0,
-                static: bool = False, capture: bool = False) -> dict:
+                eos_ids: list[int], pad_id: int, greedy: bool = False, static: bool = False,
+                capture: bool = False) -> dict:
     """G completions for each of U left-padded prompts (prompt_ids, prompt_mask [U, P]); rows
     u*G .. u*G+G-1 are prompt u's group. Returns completion_ids [B, T] (B = U*G; after its end
     token a row holds pad_id, as generate pads it), logp and entropy [B, T] at temperature T (0
-    after the end), and the raw logits [keep_logits_rows, T, V] of the first rows if asked.
+    after the end).
     T is the longest completion: the loop stops when every row has ended.
 
     The method. The prompts go through the model once each (not once per row), and their keys and
@@ -188,7 +188,7 @@ def sample_gpt2(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens:
         return model.lm_head(tr.ln_f(x))                                          # [B, V]
 
     decode_next = static_decoder(decode, B, device, capture) if static else decode
-    return sampling_loop(logits, decode_next, max_new_tokens, temperature, eos_ids, pad_id, greedy, keep_logits_rows,
+    return sampling_loop(logits, decode_next, max_new_tokens, temperature, eos_ids, pad_id, greedy,
                          end_check_every(capture, device))
 
 
@@ -200,7 +200,7 @@ def end_check_every(capture: bool, device) -> int:
 
 
 def sampling_loop(logits, decode_next, max_new_tokens: int, temperature: float, eos_ids: list[int], pad_id: int,
-                  greedy: bool, keep_logits_rows: int, check_every: int = 1) -> dict:
+                  greedy: bool, check_every: int = 1) -> dict:
     """The samplers' loop from the first new token's logits [B, V]: sample a token per row (sample_step), keep
     it with its log-prob and entropy, and get the next logits from decode_next(token [B], t) -> [B, V], until
     every row has ended or T = max_new_tokens. The result as sample_gpt2's. check_every > 1: whether every row
@@ -215,11 +215,7 @@ def sampling_loop(logits, decode_next, max_new_tokens: int, temperature: float, 
     tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)   # [B, T] written in place
     logps = torch.zeros(B, max_new_tokens, dtype=torch.promote_types(logits.dtype, torch.float32), device=device)
     entropies = torch.zeros_like(logps)
-    if keep_logits_rows:
-        kept = torch.empty(min(keep_logits_rows, B), max_new_tokens, V, dtype=logits.dtype, device=device)
     for t in range(max_new_tokens):
-        if keep_logits_rows:
-            kept[:, t] = logits[:keep_logits_rows]
         token, logp, entropy = sample_step(logits, temperature, greedy)          # the fused step
         tokens[:, t] = torch.where(ended, pad_id, token)
         logps[:, t], entropies[:, t] = logp.masked_fill(ended, 0.0), entropy.masked_fill(ended, 0.0)
@@ -231,20 +227,17 @@ def sampling_loop(logits, decode_next, max_new_tokens: int, temperature: float, 
     n = int(all_ended.int().argmax()) + 1 if all_ended.any() else t + 1     # the first step after which all ended
     out = dict(completion_ids=tokens[:, :n].contiguous(), logp=logps[:, :n].contiguous(),
                entropy=entropies[:, :n].contiguous())
-    if keep_logits_rows:
-        out["logits"] = kept[:, :n].contiguous()                                  # [rows, T, V]
     return out
 
 
 @torch.no_grad()
 def sample_generate(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens: int, temperature: float,
-                    eos_ids: list[int], pad_id: int, greedy: bool = False, keep_logits_rows: int = 0,
-                    want_logprobs: bool = False) -> dict:
+                    eos_ids: list[int], pad_id: int, greedy: bool = False, want_logprobs: bool = False) -> dict:
     """sample_gpt2's result from transformers' generate (every model). logp and entropy (and logits)
-    only if want_logprobs or keep_logits_rows: they stack the logits of every step, [B, T, V]."""
+    only if want_logprobs: they stack the logits of every step, [B, T, V]."""
     ids, mask = prompt_ids.repeat_interleave(group_size, 0), prompt_mask.repeat_interleave(group_size, 0)
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
-    stacked = want_logprobs or keep_logits_rows > 0
+    stacked = want_logprobs
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
                          eos_token_id=eos_ids, return_dict_in_generate=True, output_logits=stacked, use_cache=True,
                          **sampling)
@@ -254,8 +247,6 @@ def sample_generate(model, prompt_ids, prompt_mask, group_size: int, max_new_tok
                  for t, step_logits in enumerate(out.logits)]
         result["logp"] = torch.stack([logp for logp, _ in steps], 1)                  # [B, T]
         result["entropy"] = torch.stack([entropy for _, entropy in steps], 1)         # [B, T]
-        if keep_logits_rows:
-            result["logits"] = torch.stack([lt[:keep_logits_rows] for lt in out.logits], 1)  # [rows, T, V], a copy
     return result
 
 
@@ -278,8 +269,7 @@ def static_cache_problem(model) -> str | None:
 
 @torch.no_grad()
 def sample_static_cache(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens: int, temperature: float,
-                        eos_ids: list[int], pad_id: int, greedy: bool = False, keep_logits_rows: int = 0,
-                        capture: bool = False) -> dict:
+                        eos_ids: list[int], pad_id: int, greedy: bool = False, capture: bool = False) -> dict:
     """sample_generate's completions, log-probs and entropies from sampling_loop over transformers' StaticCache
     (--cuda-graphs, tepokit/fast/cuda_graph.py): keys and values [B, kv heads, P+T, d] allocated once, written in
     place; each decode step reads them all under a mask [B, 1, 1, P+T] of the prompt's tokens and the
@@ -321,19 +311,18 @@ def sample_static_cache(model, prompt_ids, prompt_mask, group_size: int, max_new
             layer.cumulative_length.fill_(P)
 
     return sampling_loop(logits, static_decoder(decode, B, device, capture, reset), max_new_tokens, temperature,
-                         eos_ids, pad_id, greedy, keep_logits_rows, end_check_every(capture, device))
+                         eos_ids, pad_id, greedy, end_check_every(capture, device))
 
 
 def sample(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens: int, temperature: float,
-           precision: str, sampler: str, cuda_graphs: str, greedy: bool = False, keep_logits_rows: int = 0,
-           want_logprobs: bool = False) -> dict:
+           precision: str, sampler: str, cuda_graphs: str, greedy: bool = False, want_logprobs: bool = False) -> dict:
     """The rollout's completions, the fast twin of generate_group's model.generate (train_small.py, --fast):
     sample_gpt2 when the model is GPT-2-shaped and --sampler is loop, else sample_generate, or with --cuda-graphs
     their static-cache forms, under the run's --precision. The result's tensors are sample_gpt2's."""
     device = prompt_ids.device
     settings = dict(group_size=group_size, max_new_tokens=max_new_tokens, temperature=temperature,
                     eos_ids=eos_ids_of(model), pad_id=model.generation_config.pad_token_id, greedy=greedy,
-                    keep_logits_rows=keep_logits_rows)
+)
     static = static_generation(fast=True, cuda_graphs=cuda_graphs, device_type=device.type)   # sample: --fast
     with autocast(device, precision):
         if uses_loop(model.config, fast=True, sampler=sampler):

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tepokit.diagnostics.entropy_check import checked_rows
 from tepokit.core.forward import rows_per_forward
-from tepokit.diagnostics.mechanisms import effect_check_interval
 from tepokit.fast.sampling import recompute_old_logprobs, sampler_logprobs_wanted, stacked_logits_bytes, uses_loop
 
 
@@ -24,9 +22,6 @@ class StepSettings:
     rows_per_forward: int         # rows in one forward pass at most (--micro-batch-size, or a whole mini-batch)
     recompute: bool               # the old log-probs come from a forward pass, not from the sampler
     sampler_logprobs: bool        # the sampler gives log-probs and entropies (the old ones, or for the check)
-    checked_rows: int             # rows of the rollout the entropy check uses
-    effect_check_every: int       # the mechanisms' effects are measured every this many steps (0: never)
-    builtin_tokenizer: bool       # one token per character: the decision tokens can be read from the texts
 
 
 def step_settings(args, config) -> StepSettings:
@@ -41,7 +36,4 @@ def step_settings(args, config) -> StepSettings:
         rows_per_forward=rows_per_forward(args.micro_batch_size, args.prompts_per_step, args.mini_batches,
                                           args.group_size),
         recompute=recompute,
-        sampler_logprobs=sampler_logprobs_wanted(args.fast, recompute, args.check_sampling_logprobs, stacked),
-        checked_rows=checked_rows(args.entropy_check_rows, rollout_rows, args.max_new_tokens),
-        effect_check_every=effect_check_interval(args.effect_check_every, args.model),
-        builtin_tokenizer=args.model is None)
+        sampler_logprobs=sampler_logprobs_wanted(args.fast, recompute, args.check_sampling_logprobs, stacked))

@@ -14,7 +14,7 @@ import torch
 import tepo
 from tepokit.fast import sampling
 from tepokit.cli.flags import objective_config, run_settings
-from tepokit.diagnostics.entropy_check import ENTROPY_CHECK_MAX_POSITIONS
+from tepokit.diagnostics.entropy_check import ENTROPY_CHECK_MAX_POSITIONS, checked_rows
 from tepokit.core.clock import PhaseClock
 from tepokit.plumbing.errors import fail, quiet
 from tepokit.core.forward import LOGITS_CHUNK_BYTES
@@ -110,30 +110,28 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
     static = static_generation(args.fast, args.cuda_graphs, device_type)   # the KV cache preallocated (cuda_graph.py)
     static_cache = static and not loop and config.model_type in STATIC_CACHE_MODEL_TYPES
     recompute = settings.recompute
-    rows_checked = settings.checked_rows if args.entropy_check_every <= args.steps else 0
-    n_checked = min(rows_checked * T, ENTROPY_CHECK_MAX_POSITIONS)        # positions the entropy check keeps
+    rows_checked = checked_rows(args.entropy_check_rows, R, T) if args.entropy_check_every <= args.steps else 0
+    n_checked = min(rows_checked * T, ENTROPY_CHECK_MAX_POSITIONS)        # positions the entropy check compares
     copies = {"bf16 weight copies (autocast)": 2 * N if args.precision == "bf16" else 0}
     mlp = (3 if m["gated"] else 2) * inner * a           # a no-grad MLP's live outputs, per token
-    # with the sampler's old log-probs, the sampler's logits of the checked rows ([c, T, V]): the rollout holds them
-    # from the generation to the step's end; and the logits the entropy check keeps from before the update ([n, V])
-    sampler_logits = 0 if recompute else rows_checked * T * V * (a if loop else 4)
-    before = {"entropy check: logits before": n_checked * V * a + sampler_logits}
+    # the logits the update's taps keep for the entropy check, before its first optimizer step ([c, T, V]), held
+    # to the step's end (tepokit/core/taps.py)
+    before = {"entropy check: logits before": rows_checked * T * V * a}
 
     def chunks(positions: int, n: int, nbytes: int = 4) -> int:
         """n float32 temporaries of one chunk of the logits (forward.LOGITS_CHUNK_BYTES) over `positions`."""
         return n * min(LOGITS_CHUNK_BYTES, positions * V * nbytes)
 
-    def rollout(prompts: int, group: int, stacked: bool, kept: bool) -> list:
+    def rollout(prompts: int, group: int, stacked: bool) -> list:
         """The moments of generating `group` completions of `prompts` prompts (tepokit/fast/sampling.py)."""
         rows = prompts * group
-        kept_logits = {"sampler's logits of the checked rows": sampler_logits if kept else 0}
         if loop:     # sample_gpt2: fp32 keys and values of each prompt once, the completions' in one buffer
             prompt_cache = {"prompts' keys and values": 2 * L * prompts * P * H * 4}
             # a layer's queries, keys and values, its MLP, the residual stream, a norm's and the attention's
             # outputs, and the prompts' causal mask
             return [("prefill", {**prompt_cache, **copies, "prefill: one layer": prompts * P * (3 * H * a + mlp
                                                                                                + 3 * H * 4 + P)}),
-                    ("decoding", {**prompt_cache, **copies, **kept_logits,
+                    ("decoding", {**prompt_cache, **copies,
                                   "completions' keys and values": 2 * L * rows * T * H * 4,
                                   "sampling step (float32 [B, V])": rows * V * (a + 7 * 4)})]
         cache = {"KV cache": L * rows * S * kv * k}
@@ -141,7 +139,7 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
             sampling_step = {"sampling step (float32 [B, V])": rows * V * (a + 7 * 4)}
             return [("prefill", {**cache, **copies, "prefill: one layer, its mask [B, 1, P, S]":
                                  rows * P * (mlp + 3 * H * 4 + P + S) + rows * V * a}),
-                    ("decoding", {**cache, **copies, **kept_logits, **sampling_step,
+                    ("decoding", {**cache, **copies, **sampling_step,
                                   "repeated keys and values (and their bf16 copies)": 8 * rows * S * H})]
         moments = [("prefill", {"KV cache": L * rows * P * kv * k, **copies,
                                 "prefill: one layer": rows * P * (mlp + 3 * H * 4 + P) + rows * V * a}),
@@ -151,7 +149,7 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
                                  "sampling step (float32 [B, V])": rows * V * (a + 3 * 4),
                                  "stacked logits": rows * T * V * 4 if stacked else 0})]
         if stacked:  # generate's result keeps its cache while the log-probs are read from the stacked logits
-            moments.append(("log-probs of the stacked logits", {**cache, **kept_logits, "stacked logits":
+            moments.append(("log-probs of the stacked logits", {**cache, "stacked logits":
                             rows * T * V * 4, "log-softmax temporaries": 3 * rows * V * 4}))
         return moments
 
@@ -182,6 +180,10 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
         logits = b * (T + 1) * V * a
         lm_head_grad = V * H * (4 + (2 if args.precision == "bf16" else 0))
         common = {**copies, **before}
+        # the update's taps (tepokit/core/taps.py): a no-grad forward after a mini-batch's backward, over the entropy
+        # check's rows or (TEPO's details) each micro-batch
+        taps = ([(f"the taps' forward: {moment}", {**common, **parts}) for moment, parts in forward(b, a)]
+                if rows_checked or args.objective == "tepo" else [])
         # each distinct prompt of the micro-batch once (a micro-batch that splits groups meets one more); with
         # --no-fast each row's own prompt
         prompts = min(b, math.ceil(b / args.group_size) + (b % args.group_size != 0)) if args.fast else b
@@ -193,7 +195,7 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
             "prompts' activations, gradient of the logits": 0 if ckpt else L * prompts * P * per_token + b * T * V * a})
         if ckpt:     # the layers' inputs; the logits [b, T+1, V] with a contiguous copy of [:, :-1]
             inputs = {"layer inputs (checkpoints)": L * b * S * H * 4}
-            return [("backward through the log-probs", {**common, **inputs, "logits, copy, gradient": 3 * logits,
+            return taps + [("backward through the log-probs", {**common, **inputs, "logits, copy, gradient": 3 * logits,
                                                         "chunk temporaries": chunks(b * T, 3)}),
                     ("backward through lm_head", {**common, **inputs, "gradient of the logits and of their slice":
                                                   2 * logits, "lm_head weight gradient": lm_head_grad}),
@@ -201,7 +203,7 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
                                                   2 * layer(b * S, b)}),
                     embedding_backward, ("Adam's step", {**before, "foreach temporaries": 4 * N})]
         acts = {"activations": L * layer(b * T, b) + L * prompts * P * per_token}
-        return [("forward", {**common, **acts, "KV cache": L * b * S * kv * k if args.fast else 0,
+        return taps + [("forward", {**common, **acts, "KV cache": L * b * S * kv * k if args.fast else 0,
                              "logits": 2 * logits}),
                 ("backward through the log-probs", {**common, **acts, "logits and their gradient": 2 * logits,
                                                     "chunk temporaries": chunks(b * T, 3)}),
@@ -211,40 +213,30 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
                 embedding_backward, ("Adam's step", {**before, "foreach temporaries": 4 * N})]
 
     def old_logprobs() -> list:
-        # beside the reference model's forwards (the first), the rollout's sampler logits; beside the policy's (only
-        # when recomputed) the logits before, from the first forward that holds a checked row on
-        held = {"reference model": {"sampler's logits of the checked rows": sampler_logits}, "policy": before}
-        moments = [(f"{name}: {moment}", {**copies, **held[name], **parts}) for name in ("reference model", "policy")
-                   if name == "policy" and recompute or name == "reference model" and needs_ref
-                   for moment, parts in forward(b, a)]
-        # the checked positions' logits: a copy of the checked rows (one forward's, or all of the sampler's at
-        # once), then of their positions
-        capture = (min(b, rows_checked) if recompute else rows_checked) * T * V * a + n_checked * V * a
-        moments += [("entropy check's logits before", {**before, "capture copies": capture,
-                                                       "one forward's logits": b * (T + 1) * V * a if recompute
-                                                       else 0})]
-        if args.precision == "bf16":          # precision_noise_floor: one micro-batch in fp32
-            moments += [(f"fp32 forward (bf16 noise floor): {moment}", {**before, **parts})
-                        for moment, parts in forward(b, 4)]
-        return moments
+        # the reference model's forwards, then (only when recomputed) the policy's
+        return [(f"{name}: {moment}", {**copies, **parts}) for name in ("reference model", "policy")
+                if name == "policy" and recompute or name == "reference model" and needs_ref
+                for moment, parts in forward(b, a)] or [("none: the sampler's", {})]
 
     def entropy_check() -> list:
+        """After the step: the bf16 noise floor (one micro-batch in bf16 and in fp32), then the entropy check."""
+        floor = ([(f"bf16 noise floor: {moment}", {**copies, **before, **parts})
+                  for nbytes in (a, 4) for moment, parts in forward(b, nbytes)] if args.precision == "bf16" else [])
         if not rows_checked:
-            return [("not run", {})]
+            return floor or [("not run", {})]
         rows = min(b, rows_checked)
-        after = {"logits before and after": 2 * n_checked * V * a + (0 if recompute else rows_checked * T * V * a)}
-        return ([(f"its forward: {moment}", {**copies, **after, **parts}) for moment, parts in forward(rows, a)]
-                + [("copies of the checked positions", {**copies, **after, "one forward's logits and two copies":
-                                                        rows * T * V * a * 3}),
-                   ("predicted and measured change", {**after, "chunk temporaries": 8 * min(
-                       LOGITS_CHUNK_BYTES, n_checked * V * 4)})])
+        after = {"logits before and after, at every checked row": 2 * rows_checked * T * V * a}
+        return (floor + [(f"its forward: {moment}", {**copies, **after, **parts}) for moment, parts in forward(rows, a)]
+                + [("the checked positions", {**copies, **after, "their logits before and after": 2 * n_checked * V * a}),
+                   ("predicted and measured change", {**after, "positions before and after": 2 * n_checked * V * a,
+                                                      "chunk temporaries": 8 * min(LOGITS_CHUNK_BYTES,
+                                                                                   n_checked * V * 4)})])
 
     eval_rows = min(args.n_test, R)
     pass_k_prompts = min(args.pass_k_problems, args.n_test, max(1, R // args.pass_k))
     moments = {"generation": rollout(args.prompts_per_step, args.group_size,
-                                     stacked=not loop and not static_cache and settings.sampler_logprobs,
-                                     kept=not recompute and rows_checked > 0),
-               "evaluation": rollout(eval_rows, 1, False, False) + rollout(pass_k_prompts, args.pass_k, False, False),
+                                     stacked=not loop and not static_cache and settings.sampler_logprobs),
+               "evaluation": rollout(eval_rows, 1, False) + rollout(pass_k_prompts, args.pass_k, False),
                "old log-probs": old_logprobs(), "update": update(), "entropy check": entropy_check()}
     phases = {phase: max(found, key=lambda moment: sum(moment[1].values())) for phase, found in moments.items()}
     phases = {phase: (moment, {part: n for part, n in parts.items() if n}) for phase, (moment, parts) in phases.items()}
