@@ -2,36 +2,34 @@
 
 Run `python train_small.py` (no flags, no network, 2 CPU cores, minutes): a tiny GPT-2 with a character
 vocabulary, a synthetic arithmetic word-problem task whose answers end in GSM8K's `#### <number>`, a short
-supervised warm-up (its result for the default settings is committed in tepokit/start_model/, so every machine
-starts from the same model; other settings warm up once and cache it), then RL with any objective of tepo.py
-(TEPO by default). The warm-up corpus misreads half of the problems on purpose (`--sft-noise`, e.g. "7+3=10" for
-"7 bags of 3"), so the warmed-up model knows the right and the wrong reading and picks between them almost at
-random; RL learns to read the problem right. This is the regime RL with verifiable rewards is known for:
-sharpening a behaviour the starting model already has. The same code takes a real model and data set:
+supervised warm-up (its result for the default settings is committed in tepokit/start_model/), then RL with any
+objective of tepo.py (TEPO by default). The warm-up corpus misreads half of the problems on purpose (`--sft-noise`,
+e.g. "7+3=10" for "7 bags of 3"), so the warmed-up model knows the right and the wrong reading and picks between
+them almost at random; RL learns to read the problem right: RL with verifiable rewards sharpening a behaviour the
+starting model already has. The same code takes a real model and data set:
 `--model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k` (the hub must be reachable, or give local paths).
 
 Read it top to bottom:
   1. Args             every setting, one flag each (`python train_small.py --help`)
   2. compute_rewards  the task's reward: 1 for a right `#### n` answer, plus DAPO's length cost
   3. the rollout      prompts_for_step, generate_group (G completions per prompt), completion_mask
-  4. the RL step      rl_step, as the list of its steps:
+  4. the RL step      rl_step, as the list of its steps, and nothing but learning:
         1. sample prompts          a fixed, seeded order over the training split            (prompts_for_step)
         2. generate G completions  model.generate at temperature T                          (generate_group)
         3. score them              strict `#### n` / lenient last-number parsing            (compute_rewards)
         4. advantages              tepo.group_advantages; DAPO's filter                     (compute_advantages)
-        5. old log-probs           one no-grad forward over prompt + completion per row     (rollout_statistics)
+        5. old log-probs           one no-grad forward over prompt + completion per row     (old_policy)
         6. update                  one optimizer step per mini-batch, tepo.OBJECTIVES       (update_policy)
-        7. measure                 after the update: entropy change, mechanisms' effects    (measure_step)
-     That is the plain path (--no-fast). Its costly operations have fast twins, tested equal and on by default
-     (--fast), pointed to where they branch off: the shared-prefix sampler (tepokit/fast/sampling.py), the forward
-     that reads each prompt once (tepokit/core/forward.py), and the sampler's log-probs in step 5's place.
+     It returns a StepRecord of what it did. Its only helpers outside tepo.py are tepokit/core/ (the forward pass
+     and log-probs, the reward parser, the clock) and, on the fast path (--fast, the default), the fast twins in
+     tepokit/fast/ (the shared-prefix sampler, and the sampler's log-probs in step 5's place), each tested equal.
   5. evaluate         held-out accuracy (greedy) and pass@k
-  6. the loop         train: start or resume a run, then step, evaluate, log and checkpoint
-A second built-in task, `--task hidden-type`, is made for entropy collapse: two hidden types of problem, 70/30,
-each solved by its own operator, so GRPO collapses onto the majority's (tepokit/setup/task.py, docs/collapse.md).
-The parts a reader can skip (the command line, the built-in task and models, the fast twins, memory,
-the run directory, statistics, --compare, --bench, --engine trl) live in tepokit/, one concern per module.
-The logged metrics are defined in docs/metrics.md.
+  6. the loop         train: start or resume a run, then step, measure, evaluate, log and checkpoint. The
+     measurements (7.) run after the step, from its record (tepokit/diagnostics/after_step.py); the three that
+     need the inside of the update take it through update_policy's one observer (tepokit/core/taps.py).
+A second built-in task, `--task hidden-type`, is made for entropy collapse (tepokit/setup/task.py,
+docs/collapse.md). What a reader can skip lives in tepokit/, in folders named for what they hold
+(tepokit/__init__.py lists them); the logged metrics are defined in docs/metrics.md.
 
 Simplifications, said plainly:
   - One process, one device, no vLLM. Mini-batches hold whole groups (minibatch_plan says why).
@@ -40,12 +38,6 @@ Simplifications, said plainly:
   - Prompts are the question followed by a newline; no chat template is applied.
   - The reference model (loaded only when tepo.needs_ref says so) is the model RL starts from.
 
-Usage (more examples: `python train_small.py --help`):
-  python train_small.py                                   # built-in task and model, TEPO, seed 1
-  python train_small.py --demo                            # the two-minute classroom run (80 steps)
-  python train_small.py --no-fast                         # the plain path: every fast twin off
-  python train_small.py --compare grpo,dapo,tepo --seeds 3  # summary.md / summary.json table
-  python train_small.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --max-new-tokens 256
 
 A script, not a library: nothing imports it (the tests call main(argv) and its functions).
 """
@@ -64,6 +56,7 @@ import tepo
 from tepokit.cli import resume
 from tepokit.core.clock import PhaseClock, peak_memory_mb, process_memory_mb, reset_peak_memory
 from tepokit.core.forward import autocast, completion_logits, eos_ids_of, token_entropy, token_logprobs
+from tepokit.core.metrics import combine_micro_batches
 from tepokit.core.reward import format_prompt, gold_answer, score_completions
 from tepokit.diagnostics.after_step import measure_step, step_taps
 from tepokit.diagnostics.forking_tokens import eval_by_type
@@ -154,7 +147,7 @@ class Args:
     entropy_check_every: int = 4        # run the entropy check every N steps (it costs one extra forward)
     effect_check_every: int | None = None  # mechanisms' effect on the update every N steps (unset: 4; 0 with --model)
     check_sampling_logprobs: bool = True  # with recomputed old log-probs: compare the sampler's with them
-    report_to: str = "none"             # live curves: none, tensorboard, trackio, wandb, or a list (tepokit/plumbing/report.py)
+    report_to: str = "none"             # live curves: none, tensorboard, trackio, wandb, or a list (plumbing/report.py)
     target_accuracy: float = 0.40       # --compare: steps needed to reach this held-out accuracy
     # --- modes ---
     resume: str | None = None           # continue the run in this directory from its checkpoint
@@ -222,7 +215,7 @@ def generate_group(model, tokenizer, questions: list[str], group_size: int, args
     prompt_ids, prompt_mask = enc.input_ids.to(device), enc.attention_mask.to(device)          # [U, P]
     group_ids, group_mask = prompt_ids.repeat_interleave(group_size, 0), prompt_mask.repeat_interleave(group_size, 0)
     eos_ids = eos_ids_of(model)
-    if args.fast:    # the fast twin: each prompt read once per group, log-probs as it samples (tepokit/fast/sampling.py)
+    if args.fast:    # the fast twin: each prompt read once per group, log-probs as it samples (fast/sampling.py)
         out = sample(model, prompt_ids, prompt_mask, group_size, args.max_new_tokens, args.temperature, args.precision,
                      args.sampler, args.cuda_graphs, greedy, want_logprobs)
     else:
@@ -306,8 +299,7 @@ class StepRecord:
     plan: list                          # the optimizer steps' micro-batches (minibatch_plan); [] = no update
     old: OldPolicy                      # the old policy, as computed before the update
     seen: OldPolicy                     # the old policy as the loss saw it (update_policy: the fast twin's first rows)
-    loss_saw: list                      # per optimizer step, per micro-batch: (rows [b], log pi [b, T], entropy
-    #                                     [b, T] or None), the loss's, detached
+    loss_saw: list                      # per optimizer step, per micro-batch: the loss's (rows, log pi, entropy)
     losses: dict                        # the loss's metrics, averaged over the optimizer steps
     clock: object                       # the seconds of each phase
 
@@ -426,15 +418,13 @@ def update_policy(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor, p
     rounding: before the first optimizer step the policy IS the old policy, so the first mini-batch's own forward
     becomes the old policy of its rows, the step is exactly on-policy, and later epochs read those values.
 
-    The objective is told the mini-batch's token and sequence counts (num_tokens, num_seqs), so the
-    micro-batch losses add up to the mini-batch's loss, gradient included (tepo.aggregate_loss).
-    Exact for every objective whose loss is a sum over tokens or sequences; the ones that select
-    tokens by statistics of the batch (Clip-Cov, KL-Cov, TEPO's `cov` criterion: the covariance's
-    centring, the top-k and the random draw) compute those per micro-batch, as verl does.
+    The objective is told the mini-batch's token and sequence counts (num_tokens, num_seqs), so the micro-batch
+    losses add up to the mini-batch's loss, gradient included (tepo.aggregate_loss): exact for every loss that is a
+    sum over tokens or sequences; the ones that select tokens by statistics of the batch (Clip-Cov, KL-Cov, TEPO's
+    `cov` criterion) compute those per micro-batch, as verl does.
 
-    observe(i, n, batch, micro_batches, model), if given, is called before each optimizer step i of n, once its
-    gradient is accumulated and before it is clipped: the one place where a measurement may look inside the
-    update (tepokit/core/taps.py). It changes nothing the update computes.
+    observe(i, n, batch, micro_batches, model), if given, is called before optimizer step i of n, its gradient
+    accumulated and not yet clipped: the one place where measurement looks inside the update (tepokit/core/taps.py).
     """
     model, args = run.model, run.args
     if args.gradient_checkpointing:
@@ -472,9 +462,8 @@ def update_policy(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor, p
 
 def micro_batch_loss(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor, rows: torch.Tensor, counts: dict,
                      on_policy: bool = False):
-    """The objective on one micro-batch: (loss [], metrics, log pi [b, T] and the entropy [b, T] if the objective
-    read it, else None, detached). old: the old policy as the loss sees it, [B, T] over the whole rollout;
-    on_policy: this forward is the old policy of its rows (update_policy says why)."""
+    """The objective on one micro-batch: (loss [], metrics, log pi [b, T], the entropy [b, T] or None; detached).
+    old: the old policy as the loss sees it; on_policy: this forward is the old policy of its rows (update_policy)."""
     settings, cfg = run.settings, run.cfg
     idx = rows.to(adv.device)
     mask, tokens = batch.completion_mask[idx], batch.completion_ids[idx]     # [b, T]
@@ -492,24 +481,6 @@ def micro_batch_loss(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor
     loss = loss + tepo.entropy_bonus(logits, mask, cfg, settings.temperature, **counts)   # 0 unless --entropy-coef
     return loss, metrics, logp.detach(), entropy.detach() if entropy is not None else None
 
-
-def combine_micro_batches(parts: list[tuple[dict, int]]) -> dict:
-    """One mini-batch's metrics from its micro-batches' (metrics, valid tokens): the loss and its parts
-    add up (each micro-batch's loss is its share of the mini-batch's); ratio extremes are extremes;
-    on_policy holds if it held everywhere; every other metric is a token-weighted mean."""
-    total = sum(n for _, n in parts) or 1
-    out = {}
-    for key in parts[0][0]:
-        values = [m[key] for m, _ in parts]
-        if key in ("loss", "pg_loss", "kl_loss"):
-            out[key] = sum(values)
-        elif key in ("ratio/min", "on_policy"):
-            out[key] = min(values)
-        elif key == "ratio/max":
-            out[key] = max(values)
-        else:
-            out[key] = sum(v * n for v, (_, n) in zip(values, parts)) / total
-    return out
 
 # =====================================================================================================
 # 5. Evaluation on held-out problems
@@ -552,7 +523,7 @@ def evaluate(model, tokenizer, test, args: Args, device) -> dict:
 
 def train(args: Args, obj_overrides: dict, clock=PhaseClock) -> dict:
     """One RL run: start (or resume) it, then step, evaluate, log and checkpoint; the summary at the end.
-    A stop signal (Ctrl-C, SIGTERM, SIGHUP) finishes the step, checkpoints it and exits (tepokit/plumbing/signals.py); a step
+    A stop signal (Ctrl-C, SIGTERM, SIGHUP) finishes the step, checkpoints it and exits (plumbing/signals.py); a step
     that diverges ends the run before it is saved (tepokit/plumbing/non_finite.py)."""
     t_start = time.time()
     run = start_run(args, obj_overrides, clock)
@@ -664,7 +635,7 @@ def main(argv=None) -> int:
             check_memory_on_device(args, obj_overrides, train)
         elif args.compare:        # several objectives x seeds, paired by seed (tepokit/tools/compare.py)
             compare.compare_objectives(args, obj_overrides, train)
-        elif args.engine == "trl":    # the same objective inside TRL's GRPOTrainer (tepokit/tools/tepo_trl.py; needs trl)
+        elif args.engine == "trl":    # the same objective inside TRL's GRPOTrainer (tools/tepo_trl.py; needs trl)
             try:
                 from tepokit.tools import tepo_trl
             except ImportError as e:

@@ -1,27 +1,33 @@
-"""tepokit: what a reader of train_small.py can skip, one concern per module.
+"""tepokit: what a reader of train_small.py can skip, in folders named for what they hold. Imports only go down
+this list (a folder imports the ones below it, never one above), and nothing imports train_small.py.
 
-  cli            the command line: flags, valid values, --regime and --demo, the rules of --resume
-  helptext       what --help shows: the examples and common flags first, each flag's text, the paper values
-  errors         one-line answers to user mistakes
-  hub            the Hugging Face hub: offline in seconds when it cannot be reached
-  task           the built-in arithmetic task, dataset loading, answer parsing (the reward)
-  model          the built-in tokenizer and model, its warm-up (committed or cached), loading a real model
-  forward        micro-batch sizes, completion logits, memory-bounded log-probs and entropy
-  step_settings  what the RL step's helpers read, resolved once from the run's flags and model
-  entropy_check  predicted against measured entropy change after each RL step
-  kl_mask_log    details.jsonl: where TEPO's KL mask falls
-  memory         the memory plan (--dry-run) and peak memory
-  rundir         the run directory: lock, config, logs, checkpoints, resume checks, summary.json
-  stop           Ctrl-C, SIGTERM and SIGHUP: finish the step, checkpoint, exit
-  stats          pass@k, Pearson's r, t intervals, a mini-batch's metrics from its micro-batches
-  compare        --compare: objectives x seeds, paired by seed
-  bench          --bench: our RL step against TRL's GRPOTrainer
-  tepo_trl       TepoGRPOTrainer: any tepo objective inside TRL's GRPOTrainer (--engine trl)
-  plot           python -m tepokit.tools.plot RUN_DIR: a run's figures; run reading and plotting shared with the notebooks
+  tools/        what a user runs beside training: memory.py (the memory plan, --dry-run,
+                --check-memory-on-device), bench.py (--bench: our step against TRL's GRPOTrainer), compare.py
+                (--compare: objectives x seeds, paired by seed), tepo_trl.py (--engine trl), plot.py
+                (python -m tepokit.tools.plot RUN_DIR: a run's figures, shared with the notebooks)
+  cli/          the command line: flags.py (one flag per field, --regime, --demo), validation.py (valid values),
+                helptext.py (what --help shows), resume.py (the rules of --resume)
+  diagnostics/  every measurement, run after the RL step from its record: after_step.py (the step's measurements,
+                and the taps they ask of the update), entropy_check.py (predicted against measured entropy
+                change), mechanisms.py (what each mechanism did at a real optimizer step), forking_tokens.py
+                (the decision tokens of a rollout), kl_mask_details.py (details.jsonl: where TEPO's KL mask
+                falls), stats.py (pass@k, intervals), summary.py (the progress line and summary.json)
+  setup/        the task and the model: task.py (the built-in tasks, data sets, their checks), model.py (the
+                character tokenizer, the tiny model and its warm-up, loading a real model, the device)
+  fast/         the fast twins of the RL step, tested equal to the plain path: sampling.py (the shared-prefix
+                sampler and its log-probs), cuda_graph.py (a static KV cache replayed as a CUDA graph),
+                step_settings.py (what the step reads, resolved once from the flags and the model)
+  core/         what the RL step itself calls: forward.py (completion logits, memory-bounded log-probs and
+                entropy), reward.py (the prompt and the answer parsing), metrics.py (a mini-batch's metrics from
+                its micro-batches'), clock.py (each phase's seconds, peak memory), taps.py (the update's one
+                observer, through which the measurements look inside it)
+  plumbing/     the run directory and the process: rundir.py (lock, config, logs, checkpoints), signals.py (Ctrl-C,
+                SIGTERM, SIGHUP: finish the step, checkpoint, exit), non_finite.py (a non-finite loss, gradient
+                or weight ends the run), report.py (--report-to), hub.py (the Hugging Face hub, offline in
+                seconds), errors.py (one-line answers to user mistakes)
 
-Imports form a tree: tepo.py imports only torch; these modules import tepo and each other; train_small.py
-imports both, and nothing imports train_small.py. transformers, datasets and TRL are imported inside the
-functions that use them, so that --help, --dry-run and a refused flag answer without loading them.
+tepo.py imports only torch. transformers, datasets and TRL are imported inside the functions that use them, so
+that --help, --dry-run and a refused flag answer without loading them.
 """
 
 import os

@@ -1,1 +1,1 @@
-"""cli"""
+"""The command line: flags, valid values, --help, and the rules of --resume."""

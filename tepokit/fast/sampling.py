@@ -21,7 +21,7 @@ Two ways, the same distribution (plain softmax(z / T), no top-k, no top-p):
 
 Why the log-probs matter: they are the behaviour policy's, computed from the very logits that chose
 each token, so the RL step needs no extra forward pass for its old log-probs: the twin of the plain path's
-no-grad forward (train_small.py, rollout_statistics; --recompute-old-logprobs or --no-fast bring the pass back).
+no-grad forward (train_small.py, old_policy; --recompute-old-logprobs or --no-fast bring the pass back).
 """
 
 from __future__ import annotations
