@@ -108,37 +108,33 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
 
     Autograd's version keeps a float32 copy of the [b, T, V] logits and logsumexp's temporaries
     alive until the backward (with a 151,936-token vocabulary that is several copies of the
-    largest tensor of the step). This one keeps only the logits (the model's output, alive anyway)
-    and logsumexp per position [b, T], and recomputes softmax chunk by chunk in the backward:
+    largest tensor of the step). This one keeps only the logits (the model's output, alive anyway): the forward
+    is tepo.token_logprobs_from_logits chunk by chunk, and the backward recomputes each chunk's softmax:
         d log p(y) / d z_v = (1[v = y] - softmax(z / T)_v) / T
     """
 
     @staticmethod
     def forward(ctx, logits, tokens, temperature: float):
         V = logits.shape[-1]
-        flat, flat_tokens = logits.reshape(-1, V), tokens.reshape(-1, 1)
-        dtype = torch.promote_types(logits.dtype, torch.float32)
-        out = torch.empty(flat.shape[0], dtype=dtype, device=logits.device)
-        lse = torch.empty_like(out)
+        flat, flat_tokens = logits.reshape(-1, V), tokens.reshape(-1)
+        out = torch.empty(flat.shape[0], dtype=torch.promote_types(logits.dtype, torch.float32), device=logits.device)
         chunk = positions_per_chunk(V)
         for s in range(0, flat.shape[0], chunk):
-            z = flat[s:s + chunk].to(dtype) / temperature
-            lse[s:s + chunk] = torch.logsumexp(z, -1)
-            out[s:s + chunk] = z.gather(-1, flat_tokens[s:s + chunk]).squeeze(-1) - lse[s:s + chunk]
-        ctx.save_for_backward(logits, tokens, lse)
+            out[s:s + chunk] = tepo.token_logprobs_from_logits(flat[s:s + chunk], flat_tokens[s:s + chunk], temperature)
+        ctx.save_for_backward(logits, tokens)
         ctx.temperature = temperature
         return out.view(tokens.shape)
 
     @staticmethod
     def backward(ctx, grad_out):
-        logits, tokens, lse = ctx.saved_tensors
+        logits, tokens = ctx.saved_tensors
         V, T = logits.shape[-1], ctx.temperature
         flat, flat_tokens, g = logits.reshape(-1, V), tokens.reshape(-1, 1), grad_out.reshape(-1, 1)
         grad = torch.empty_like(flat)
         chunk = positions_per_chunk(V)
         for s in range(0, flat.shape[0], chunk):
-            z = flat[s:s + chunk].to(lse.dtype) / T
-            d = -torch.exp(z - lse[s:s + chunk, None]) * g[s:s + chunk]                # -softmax * g
+            z = flat[s:s + chunk].to(g.dtype) / T
+            d = -torch.exp(z - torch.logsumexp(z, -1, keepdim=True)) * g[s:s + chunk]   # -softmax * g
             d.scatter_add_(-1, flat_tokens[s:s + chunk], g[s:s + chunk])               # + onehot * g
             grad[s:s + chunk] = d / T
         return grad.view_as(logits), None, None
