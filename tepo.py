@@ -2,20 +2,16 @@
 
 Read it top to bottom, like a chapter:
 
-  1. Building blocks   masked means, group-relative advantages, importance ratios (token, sequence,
-                       K-token block), loss aggregation, KL estimators, log-probs and entropy from
-                       logits, DAPO's two data-side pieces.
-  2. Configuration     one dataclass with every switch, checked once when it is made; the paper
-                       defaults of each objective, and which switches each objective reads (FIELDS_READ).
-  3. The GRPO family   one skeleton, `objective`, that every objective shares (check the inputs,
-                       aggregate, report), so that each objective below it is only its own maths.
-                       PPO-clip; GRPO, DAPO and Dr. GRPO, three presets of PPO-clip's loss; GSPO,
-                       GSPO-token; MPO.
-  4. Entropy mathematics  why entropy falls: the entropy-covariance derivation (Cui et al.
-                       2505.22617; TEPO's appendix) step by step, and the live check used by train_small.py.
-  5. The remedies      the entropy bonus; Clip-Cov and KL-Cov, built on section 4's covariance; TEPO's
-                       KL mask. OBJECTIVES maps each name to its function.
-  Appendix             the input checks every objective makes, and the metrics every objective reports.
+  1. Building blocks   masked means, group-relative advantages, loss aggregation, KL estimators, token log-probs.
+  2. Configuration     one dataclass with every switch, checked once when it is made; each paper's defaults.
+  3. The GRPO family   one skeleton, `objective`, then the input checks and the metrics it wraps around every
+                       objective's maths; then each objective, its maths alone, next to the pieces it alone
+                       needs: PPO-clip (token ratio, clipped surrogate); GRPO, DAPO, Dr. GRPO (PPO-clip's loss
+                       under each paper's settings; DAPO's data side); GSPO, GSPO-token (sequence ratio); MPO.
+  4. Entropy mathematics  the entropy from logits, and why it falls: the entropy-covariance derivation
+                       (Cui et al. 2505.22617; TEPO's appendix) step by step; the live check used by train_small.py.
+  5. The remedies      the entropy bonus; Clip-Cov and KL-Cov, built on section 4's covariance; TEPO's KL mask.
+  6. By name           OBJECTIVES, FIELDS_READ (the switches each objective reads), needs_ref, needs_entropy.
 
 Every objective has the same signature
     fn(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None, old_entropy=None,
@@ -52,28 +48,23 @@ import torch
 
 __all__ = [
     # 1. building blocks
-    "masked_sum", "masked_mean", "ADVANTAGE_SCALES", "group_advantages", "token_log_ratio", "sequence_log_ratio",
-    "block_index", "BLOCK_RATIOS", "block_log_ratio", "AGGREGATIONS", "aggregate_loss", "KL_ESTIMATORS",
-    "kl_penalty", "token_logprobs_from_logits", "entropy_from_logprobs", "softmax_entropy", "entropy_from_logits",
-    "dynamic_sampling_mask", "soft_overlong_punishment",
+    "masked_sum", "masked_mean", "ADVANTAGE_SCALES", "group_advantages", "AGGREGATIONS", "aggregate_loss",
+    "KL_ESTIMATORS", "kl_penalty", "token_logprobs_from_logits",
     # 2. configuration
-    "ObjectiveConfig", "RATIO_MODES", "ENTROPY_CRITERIA", "KL_TARGETS", "KL_MODES", "BLOCK_AGGREGATIONS",
-    "check_config", "InvalidSetting", "PAPER_DEFAULTS", "TRAINER_FIELDS", "FIELDS_READ", "config_for", "needs_ref",
-    "needs_entropy",
-    # 3. the GRPO family
-    "ObjectiveInputs", "PolicyTerms", "objective", "clipped_surrogate", "ppo_clip_loss", "grpo_loss", "dapo_loss",
-    "dr_grpo_loss", "gspo_loss", "gspo_token_loss", "mpo_loss",
+    "ObjectiveConfig", "RATIO_MODES", "ENTROPY_CRITERIA", "KL_TARGETS", "KL_MODES", "BLOCK_RATIOS",
+    "BLOCK_AGGREGATIONS", "check_config", "InvalidSetting", "PAPER_DEFAULTS", "config_for",
+    # 3. the GRPO family: the skeleton, then each objective with the pieces it alone needs
+    "ObjectiveInputs", "PolicyTerms", "objective", "token_log_ratio", "clipped_surrogate", "ppo_clip_loss",
+    "grpo_loss", "dapo_loss", "dr_grpo_loss", "dynamic_sampling_mask", "soft_overlong_punishment",
+    "sequence_log_ratio", "gspo_loss", "gspo_token_loss", "block_index", "block_log_ratio", "mpo_loss",
     # 4. entropy mathematics
-    "softmax_log_jacobian", "entropy_grad_wrt_logits", "fisher_matrix", "policy_gradient_step",
-    "natural_gradient_step", "first_order_entropy_change", "entropy_change_prediction",
-    # 5. the remedies
+    "entropy_from_logprobs", "softmax_entropy", "entropy_from_logits", "softmax_log_jacobian",
+    "entropy_grad_wrt_logits", "fisher_matrix", "policy_gradient_step", "natural_gradient_step",
+    "first_order_entropy_change", "entropy_change_prediction",
+    # 5. the remedies; 6. the objectives by name
     "entropy_bonus", "token_covariance", "clip_cov_loss", "kl_cov_loss", "tepo_kl_mask", "tepo_loss", "OBJECTIVES",
+    "TRAINER_FIELDS", "FIELDS_READ", "needs_ref", "needs_entropy",
 ]
-
-
-def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
-    """bf16 / fp16 -> fp32 (exp and log-softmax need the mantissa); float64 stays float64."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 class InvalidSetting(ValueError):
@@ -164,69 +155,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     return torch.nan_to_num(adv).view(-1)
 
 
-# ---- importance ratios ----------------------------------------------------------------------------
-
-def token_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
-                    clamp: float = 20.0) -> torch.Tensor:
-    """delta_{i,t} = log pi_theta - log pi_old, clamped to [-clamp, clamp], 0 at padding.   [B, T]
-
-    The clamp keeps exp(delta) finite when a ratio explodes; inside it the gradient is exactly
-    d logp. verl 0.9.1 clamps at 20 in its `vanilla` loss only: its `gspo` clamps the log-ratio at
-    10 from above, and `clip_cov`, `kl_cov` and `geo_mean` do not clamp.
-    """
-    delta = (logp - old_logp).clamp(-clamp, clamp)
-    return torch.where(mask.bool(), delta, torch.zeros_like(delta))
-
-
-def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """log s_i = (1/|o_i|) sum_t delta_{i,t}: the log of GSPO's geometric-mean sequence ratio.  [B]
-
-    s_i = (pi_theta(o_i|q) / pi_old(o_i|q)) ** (1/|o_i|). Without the 1/|o_i| the sequence ratio
-    of a long answer would be a product of hundreds of token ratios and explode or vanish.
-    """
-    return masked_mean(logp - old_logp, mask, dim=-1)
-
-
-def block_index(mask: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Which K-token block each position belongs to.                                      [B, T] long
-
-    Blocks are counted over valid tokens from the first response token: the n-th valid token
-    (n = 0, 1, ...) is in block n // K. For left-aligned responses this is simply t // K.
-    """
-    if int(block_size) != block_size or block_size < 1:
-        raise InvalidSetting("block_size", block_size, "an integer K >= 1")
-    n_before = mask.long().cumsum(-1) - 1                                   # valid tokens before t
-    return n_before.clamp(min=0) // block_size
-
-
-BLOCK_RATIOS = ("joint", "geomean")
-
-
-def block_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, block_size: int,
-                    block_ratio: str = "joint") -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-ratio of each K-token block (MPO, reconstruction).         [B, T] -> ([B, J], [B, J])
-
-    joint:   log rho_{i,j} = sum_{t in block} delta_{i,t}   (K tokens are ONE action: the ratio of
-             the action's probability is the product of its token ratios)
-    geomean: log rho_{i,j} = mean_{t in block} delta_{i,t}  (the geometric-mean reading; a partial
-             last block is normalised by its own length)
-    J = ceil(T / K). Returns the block log-ratios and the number of valid tokens in each block
-    (0 marks an empty block). The last block of a response is partial when K does not divide
-    its length.
-    """
-    _check_choice("block_ratio", block_ratio, BLOCK_RATIOS)
-    blk = block_index(mask, block_size)                                     # [B, T]; checks K >= 1
-    B, T = logp.shape
-    J = math.ceil(T / block_size)
-    valid = mask.bool()
-    delta = torch.where(valid, logp - old_logp, torch.zeros_like(logp))
-    delta_blk = delta.new_zeros(B, J).scatter_add(1, blk, delta)            # [B, J]
-    n_blk = delta.new_zeros(B, J).scatter_add(1, blk, valid.to(delta.dtype))  # [B, J]
-    if block_ratio == "geomean":
-        delta_blk = delta_blk / n_blk.clamp(min=1)
-    return delta_blk, n_blk
-
-
 # ---- loss aggregation (verl's names) ----------------------------------------------------------------
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -301,7 +229,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
       abs = |x|                KL-Cov's penalty; gradient sign(x), 0 at x = 0
       k2  = x^2 / 2            biased in value, but its gradient is the KL gradient direction
       k3  = exp(-x) + x - 1    unbiased and >= 0 (GRPO's choice). verl clamps -x to [-20, 20] and
-                               the result to [-10, 10]; so do we.
+                               the result to [-10, 10]; so do we (_metrics logs KL to pi_old unclamped).
       k1+, k3+                 straight-through: the value of k1 / k3 with the gradient of k2
     The penalty is not masked here: the aggregation masks it, exactly once (test_tepo.py, property 39).
     """
@@ -321,7 +249,12 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
     return k2 - k2.detach() + value.detach()
 
 
-# ---- log-probs and entropy from logits --------------------------------------------------------------
+# ---- log-probs from logits: where each objective's logp comes from ---------------------------------
+
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """bf16 / fp16 -> fp32 (exp and log-softmax need the mantissa); float64 stays float64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
 
 def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """z / temperature in float32 or finer, a new tensor: the logits the tokens were sampled from.   [..., V]"""
@@ -339,70 +272,6 @@ def token_logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor,
     z = _tempered(logits, temperature) if temperature != 1.0 else _at_least_float32(logits)   # T = 1: no copy
     chosen = z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return chosen - torch.logsumexp(z, dim=-1)
-
-
-def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
-    """H = -sum_v p_v log p_v from the log-probabilities of the whole vocabulary, with gradient.   [..., V] -> [...]
-
-    The one place the entropy formula is written: every entropy in this module (and the sampler's,
-    which has the log-softmax at hand) is this function.
-    """
-    return -(logp.exp() * logp).sum(-1)
-
-
-def softmax_entropy(z: torch.Tensor) -> torch.Tensor:
-    """H(softmax(z)), with gradient.                                               [..., V] -> [...]"""
-    return entropy_from_logprobs(torch.log_softmax(z, dim=-1))
-
-
-@torch.no_grad()
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0,
-                        chunk_size: int = 1024) -> torch.Tensor:
-    """Full-vocabulary entropy H = -sum_v p_v log p_v at every position.        [..., V] -> [...]
-
-    This is the entropy of the policy, not the mean -log p of the sampled token (a one-sample
-    estimate of it; test_tepo.py, property 37). Rows are processed `chunk_size` at a time, so a 150k
-    vocabulary never needs a second full-size float tensor. No gradient: it is a diagnostic.
-    """
-    flat = logits.reshape(-1, logits.shape[-1])
-    out = torch.empty(flat.shape[0], dtype=torch.promote_types(logits.dtype, torch.float32),
-                      device=logits.device)
-    for start in range(0, flat.shape[0], chunk_size):
-        out[start:start + chunk_size] = softmax_entropy(_tempered(flat[start:start + chunk_size], temperature))
-    return out.view(logits.shape[:-1])
-
-
-# ---- DAPO's data-side pieces (arXiv 2503.14476) -----------------------------------------------------
-
-@torch.no_grad()
-def dynamic_sampling_mask(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Keep the rows whose group has rewards that differ (std > 0).                    [B] -> bool [B]
-
-    A group that is all right or all wrong has advantage 0 for every sample: it adds no gradient
-    but dilutes the batch. DAPO drops such groups and samples more prompts until the batch is full.
-    """
-    grouped = _grouped(rewards, group_size)                                 # [n_groups, G]
-    keep = grouped.amax(1) > grouped.amin(1)
-    return keep.repeat_interleave(group_size)
-
-
-def soft_overlong_punishment(lengths: torch.Tensor, max_len: int, cache_len: int,
-                             factor: float = 1.0) -> torch.Tensor:
-    """DAPO's length penalty, added to the task reward.                                 [B] -> [B]
-
-      0                                 if |y| <= L_max - L_cache
-      ((L_max - L_cache) - |y|) / L_cache   in between (falls linearly from 0 to -1)
-      -1                                if |y| > L_max
-    times `factor`. The paper uses L_max = 20480, L_cache = 4096.
-    """
-    if cache_len <= 0 or cache_len > max_len:
-        raise InvalidSetting("cache_len", cache_len, f"0 < cache_len <= max_len={max_len}")
-    lengths = lengths.to(torch.float64 if lengths.dtype == torch.float64 else torch.float32)
-    expected = max_len - cache_len
-    ramp = (expected - lengths) / cache_len
-    penalty = torch.where(lengths <= expected, torch.zeros_like(lengths),
-                          torch.where(lengths <= max_len, ramp, -torch.ones_like(lengths)))
-    return factor * penalty
 
 
 # =====================================================================================================
@@ -452,10 +321,12 @@ class ObjectiveConfig:
         check_config(self)
 
 
+# Valid values of switches whose functions come later: here because check_config reads them as a config is made.
 RATIO_MODES = ("gspo_token", "gmpo")
 ENTROPY_CRITERIA = ("cov", "measured")
 KL_TARGETS = ("old", "ref")
 KL_MODES = ("soft", "hard")
+BLOCK_RATIOS = ("joint", "geomean")
 BLOCK_AGGREGATIONS = ("seq-mean-block-mean", "block-mean", "token-weighted")
 
 
@@ -519,46 +390,6 @@ PAPER_DEFAULTS: dict[str, ObjectiveConfig] = {
 }
 
 
-# Which ObjectiveConfig fields each objective reads; a field not listed changes nothing for that objective.
-# Where each setting comes from:
-#   eps_low, eps_high     PPO's clip range (Schulman et al., arXiv 1707.06347); eps_high > eps_low is
-#                         DAPO's clip-higher (arXiv 2503.14476)
-#   dual_clip_c           dual-clip PPO (Ye et al., arXiv 1912.09729), on by default in verl's `vanilla` loss
-#   log_ratio_clamp       an implementation guard (verl's clamp), no paper
-#   beta, kl_estimator    GRPO's KL to the reference (DeepSeekMath, arXiv 2402.03300, k3); KL-Cov's and
-#                         TEPO's penalty coefficient and estimator
-#   aggregation           GRPO seq-mean-token-mean, DAPO token-mean, Dr. GRPO (arXiv 2503.20783)
-#   norm_constant         seq-mean-token-sum-norm; Dr. GRPO's constant (its max generation length)
-#   advantage_scale       GRPO's group std ("group"); Dr. GRPO drops it ("none")
-#   adv_eps               an implementation guard in the std division, no paper
-#   dynamic_sampling, overlong_penalty   DAPO (arXiv 2503.14476)
-#   entropy_coef          the entropy bonus (PPO's c2, arXiv 1707.06347), added by the trainer (entropy_bonus)
-#   clip_cov_*, kl_cov_ratio             Clip-Cov / KL-Cov (Cui et al., arXiv 2505.22617)
-#   ratio_mode, entropy_criterion, kl_target, kl_mode, kl_tau   TEPO (arXiv 2510.09369), our reconstruction
-#   block_size, block_ratio, block_agg   MPO (arXiv 2602.14386), our reconstruction
-# TRAINER_FIELDS are read by train_small.py (advantages and data) for every objective, never by a loss.
-# MPO reads block_agg instead of aggregation/norm_constant (its unit is a block). Some fields act only
-# together with another: kl_estimator only when beta > 0 (or, for TEPO, kl_mode="hard"), norm_constant
-# only with aggregation="seq-mean-token-sum-norm", dual_clip_c only when it is not None, kl_tau only
-# with kl_mode="hard". test_tepo.py section 14 checks every entry both ways.
-TRAINER_FIELDS = ("advantage_scale", "adv_eps", "dynamic_sampling", "overlong_penalty", "entropy_coef")
-_CLIP = ("eps_low", "eps_high", "log_ratio_clamp")
-_KL_AND_AGGREGATION = ("beta", "kl_estimator", "aggregation", "norm_constant")
-FIELDS_READ: dict[str, tuple[str, ...]] = {
-    "ppo": _CLIP + ("dual_clip_c",) + _KL_AND_AGGREGATION + TRAINER_FIELDS,
-    "grpo": _CLIP + ("dual_clip_c",) + _KL_AND_AGGREGATION + TRAINER_FIELDS,
-    "dapo": _CLIP + ("dual_clip_c",) + _KL_AND_AGGREGATION + TRAINER_FIELDS,
-    "dr_grpo": _CLIP + ("dual_clip_c",) + _KL_AND_AGGREGATION + TRAINER_FIELDS,
-    "clip_cov": _CLIP + _KL_AND_AGGREGATION + ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub") + TRAINER_FIELDS,
-    "kl_cov": ("log_ratio_clamp",) + _KL_AND_AGGREGATION + ("kl_cov_ratio",) + TRAINER_FIELDS,
-    "gspo": _CLIP + _KL_AND_AGGREGATION + TRAINER_FIELDS,
-    "gspo_token": _CLIP + _KL_AND_AGGREGATION + TRAINER_FIELDS,
-    "tepo": _CLIP + _KL_AND_AGGREGATION + ("ratio_mode", "entropy_criterion", "kl_target", "kl_mode", "kl_tau")
-            + TRAINER_FIELDS,
-    "mpo": _CLIP + ("beta", "kl_estimator", "block_size", "block_ratio", "block_agg") + TRAINER_FIELDS,
-}
-
-
 def config_for(name: str, **overrides) -> ObjectiveConfig:
     """The paper defaults of objective `name`, with some fields overridden."""
     _check_choice("objective", name, tuple(PAPER_DEFAULTS))
@@ -568,31 +399,17 @@ def config_for(name: str, **overrides) -> ObjectiveConfig:
     return dataclasses.replace(PAPER_DEFAULTS[name], **overrides)
 
 
-def needs_ref(name: str, cfg: ObjectiveConfig) -> bool:
-    """Does this objective need log-probs from a frozen reference model?"""
-    if name == "tepo":
-        return cfg.kl_target == "ref" and (cfg.beta > 0 or cfg.kl_mode == "hard")
-    if name == "kl_cov":          # KL-Cov's beta weighs |log pi - log pi_old|, not a reference KL
-        return False
-    return cfg.beta > 0
-
-
-def needs_entropy(name: str, cfg: ObjectiveConfig) -> bool:
-    """Does this objective need the entropy now and at rollout time (TEPO's measured criterion)?"""
-    return name == "tepo" and cfg.entropy_criterion == "measured"
-
-
 # =====================================================================================================
 # 3. The GRPO family: one skeleton, then each objective's own maths
 # =====================================================================================================
 # Every objective does four things: check its inputs, compute its per-token terms (the policy-gradient
 # loss, the ratio it clips and where it clipped, its KL part), aggregate them into one loss, and report
-# metrics. Only the second differs from one objective to another. `objective` does the other three
-# (the checks and the metrics are in the appendix), so each objective below is its maths alone.
+# metrics. Only the second differs from one objective to another: `objective` does the other three, with
+# its checks (_prepare) and metrics (_metrics) right after it, so each objective below is its maths alone.
 
 @dataclass
 class ObjectiveInputs:
-    """An objective's inputs after the checks (appendix, _prepare): what its maths reads."""
+    """An objective's inputs after the checks (_prepare, below): what its maths reads."""
     logp: torch.Tensor               # [B, T] log pi_theta, float32 or finer, with its gradient
     old_logp: torch.Tensor           # [B, T] log pi_old, detached
     adv: torch.Tensor                # [B, T] advantage of each token (a per-sequence A_i at each token), detached
@@ -622,20 +439,15 @@ def objective(*, reads: tuple[str, ...]):
         @objective(reads=("ref_logp",))
         def name(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms: ...
 
-    it makes the objective with the signature they all share,
-
-        name(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None, old_entropy=None,
-             num_tokens=None, num_seqs=None) -> (loss, metrics)
-
-    which, on each call:
-      1. checks the inputs and gives them to the maths as ObjectiveInputs (_prepare, appendix). `reads`
+    it makes the objective with the signature they all share (objective_fn, below), which, on each call:
+      1. checks the inputs and gives them to the maths as ObjectiveInputs (_prepare, below). `reads`
          names the optional tensors the objective reads (of ref_logp, entropy, old_entropy): those are
          checked and passed on, the others are ignored;
       2. computes the objective's PolicyTerms;
       3. aggregates them: loss = pg_loss + beta * kl_loss, pg_loss and kl_loss aggregated alike
          (cfg.aggregation unless the terms name another) with the step's counts num_tokens / num_seqs
          (aggregate_loss: the micro-batch losses of one step then add up to the step's loss);
-      4. gathers the metrics (_metrics, appendix): a dict of floats.
+      4. gathers the metrics (_metrics, below): a dict of floats.
     The objective keeps the name and docstring of its maths, and the maths itself as .policy_terms.
     """
     def make(policy_terms):
@@ -664,6 +476,163 @@ def objective(*, reads: tuple[str, ...]):
     return make
 
 
+# ---- step 1: the checks ----------------------------------------------------------------------------
+
+def _prepare(logp, old_logp, advantages, mask, cfg, **optional) -> ObjectiveInputs:
+    """Check shapes and values; return the inputs as ObjectiveInputs: float logp / old_logp, bool mask,
+    advantages as [B, T] (and as given), and the optional tensors passed (ref_logp, entropy, old_entropy).
+
+    Every objective starts here (step 1), so every objective refuses, with a one-line ValueError naming
+    the argument, the inputs that can only give a garbage loss:
+      - a shape other than logp's [B, T] (advantages: [B] or [B, T]);
+      - a mask holding anything but 0 and 1 (bool, or integers / floats equal to 0 or 1);
+      - NaN or +-inf in logp, old_logp, advantages or an optional tensor that is passed (ref_logp,
+        entropy, old_entropy) at a position where mask is 1; a per-sequence advantage is checked
+        on the rows with at least one valid token.
+    Padding (mask 0) may hold anything: it reaches neither the loss, nor the gradient, nor a metric
+    (test_tepo.py, property 43). Valid inputs pass unchanged. The checks cost one reduction per tensor (two
+    for a float mask) when every value is finite; the masked count is made only to word the error. The
+    switches are not checked here: an ObjectiveConfig was checked when it was made and cannot change since
+    (section 2), so only its type is.
+    """
+    if not isinstance(cfg, ObjectiveConfig):
+        raise TypeError(f"cfg: expected an ObjectiveConfig (config_for(name) or ObjectiveConfig(...)), "
+                        f"got {type(cfg).__name__}")
+    if logp.dim() != 2:
+        raise ValueError(f"logp: expected shape [B, T], got {tuple(logp.shape)}")
+    for name, tensor in (("old_logp", old_logp), ("mask", mask), *optional.items()):
+        if tensor is not None and tuple(tensor.shape) != tuple(logp.shape):
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match logp {tuple(logp.shape)}")
+    if tuple(advantages.shape) not in ((logp.shape[0],), tuple(logp.shape)):
+        raise ValueError(f"advantages: shape {tuple(advantages.shape)} is not valid; choose "
+                         f"[B]={[logp.shape[0]]} or [B, T]={list(logp.shape)}")
+    valid = _checked_mask(mask)                                              # [B, T] bool
+    for name, tensor in (("logp", logp), ("old_logp", old_logp), *optional.items()):
+        if tensor is not None:
+            _check_finite_where_valid(name, tensor, valid)
+    # bf16 / fp16 inputs are computed in fp32: exp() of a ratio needs the mantissa. Gradients
+    # flow back through the cast.
+    dtype = torch.promote_types(logp.dtype, torch.float32)
+    adv = advantages.detach().to(dtype)
+    if not _check_finite_where_valid("advantages", advantages, valid):
+        adv = _finite_or_zero(adv)
+    return ObjectiveInputs(logp.to(dtype), old_logp.detach().to(dtype), _per_position(adv, logp), advantages, valid,
+                           **optional)
+
+
+def _checked_mask(mask: torch.Tensor) -> torch.Tensor:
+    """The mask as bool [B, T]; a value other than 0 / 1 (0.5, 2, NaN) raises a ValueError.
+
+    mask.bool() would read 0.5 as 1 and train a token the caller meant to half-weigh. The test is
+    two reductions rather than comparisons that allocate three [B, T] tensors: every value lies in
+    [0, 1], and for floats sum m (1 - m) = 0, a sum of terms >= 0 that is 0 only when each m is 0 or 1.
+    """
+    if mask.dtype == torch.bool or mask.numel() == 0:
+        return mask.bool()
+    low, high = torch.aminmax(mask)                                         # NaN gives NaN: refused
+    zero_one = bool(low >= 0) and bool(high <= 1)
+    if zero_one and mask.is_floating_point():
+        flat = mask.reshape(-1)
+        zero_one = bool(torch.dot(flat, 1 - flat) == 0)
+    if not zero_one:
+        bad = ~((mask == 0) | (mask == 1))
+        raise ValueError(f"mask: {int(bad.sum())} values other than 0 and 1 (e.g. {mask[bad][0].item()!r}); "
+                         f"choose a bool mask or 0/1 values (1 = the token is trained)")
+    return mask.bool()
+
+
+def _check_finite_where_valid(name: str, tensor: torch.Tensor, valid: torch.Tensor) -> bool:
+    """ValueError if `tensor` ([B, T], or [B] per sequence) holds NaN or inf where valid is True;
+    returns whether every value is finite (False: some padding holds NaN or inf)."""
+    values = tensor.detach()
+    # The usual case in one fast reduction: a sum is finite only if every term is. A finite sum
+    # too large for the dtype also lands in the exact test below, which is correct, only slower.
+    if bool(torch.isfinite(values.sum(dtype=torch.promote_types(values.dtype, torch.float32)))):
+        return True
+    used = valid if values.dim() == 2 else valid.any(-1)                    # [B, T] or [B]
+    bad = used & ~torch.isfinite(values)
+    if bool(bad.any()):
+        where = [int(i) for i in bad.nonzero()[0]]
+        raise ValueError(f"{name}: {int(bad.sum())} non-finite values where mask is 1 (e.g. "
+                         f"{values[tuple(where)].item()} at {where}); pass finite values at every "
+                         f"trained position (padding, mask 0, may hold anything)")
+    return bool(torch.isfinite(values).all())
+
+
+def _finite_or_zero(advantages: torch.Tensor) -> torch.Tensor:
+    """Advantages with NaN / inf replaced by 0. After _prepare such values can only sit where nothing
+    is trained, but an advantage multiplies a ratio whose gradient there is 0, and 0 * NaN = NaN
+    would reach logp's gradient (GSPO-token's ratio has no mask between the two)."""
+    return torch.where(torch.isfinite(advantages), advantages, torch.zeros_like(advantages))
+
+
+# ---- step 4: the metrics ---------------------------------------------------------------------------
+
+def _metrics(loss, pg_loss, kl_loss, terms: PolicyTerms, x: ObjectiveInputs) -> dict[str, float]:
+    """The metrics every objective reports, as floats (token statistics over valid tokens only):
+      loss, pg_loss, kl_loss         the loss and its parts (loss = pg_loss + beta * kl_loss)
+      clip_ratio/low_mean            fraction of tokens clipped at 1 - eps_low (A < 0)
+      clip_ratio/high_mean           fraction clipped at 1 + eps_high (A > 0)
+      clip_ratio/region_mean         either of the two
+      ratio/mean, ratio/min, ratio/max   the importance ratio the objective clips
+      kl_old/k1, kl_old/k3           KL(pi_old || pi_theta) from the rollout's tokens; k1 is verl's
+                                     ppo_kl while every |log-ratio| <= 20 (verl averages the
+                                     clamped log-ratio, tepo the raw one); k3 is kl_penalty's at x = -delta,
+                                     as expm1(delta) - delta without verl's clamps: in float32 it keeps a KL
+                                     of 1e-8 near ratio 1 (exp(delta) - 1 rounds it away) and it shows a ratio
+                                     that blew up, not kl_penalty's cap of 10 (test_tepo.py checks both)
+      kl_ref                         kl_penalty's k3 to the reference, when the objective reads ref_logp and it is given
+      on_policy                      1.0 when every ratio is exactly 1: clipping, GSPO's clipping,
+                                     TEPO's KL mask (target old) and KL-Cov's penalty cannot act
+                                     on this step. The loss value is then ~0 with centred
+                                     advantages, while the gradient is not.
+    and the objective's own (terms.extra). One transfer to the CPU for all of them.
+    """
+    mask = x.mask
+    with torch.no_grad():
+        delta = torch.where(mask, x.logp - x.old_logp, torch.zeros_like(x.logp)).detach()
+        r = terms.ratio.detach()
+        one = torch.ones((), dtype=r.dtype, device=r.device)
+        low, high = terms.clipped_low, terms.clipped_high
+        stats = {
+            "loss": loss.detach(), "pg_loss": pg_loss.detach(), "kl_loss": kl_loss.detach(),
+            "clip_ratio/low_mean": masked_mean(low.to(r.dtype), mask),
+            "clip_ratio/high_mean": masked_mean(high.to(r.dtype), mask),
+            "clip_ratio/region_mean": masked_mean((low | high).to(r.dtype), mask),
+            "ratio/mean": masked_mean(r, mask),
+            "ratio/min": torch.where(mask, r, one).amin() if r.numel() else one,
+            "ratio/max": torch.where(mask, r, one).amax() if r.numel() else one,
+            "kl_old/k1": masked_mean(-delta, mask),
+            "kl_old/k3": masked_mean(torch.expm1(delta.clamp(max=20)) - delta, mask),
+            "on_policy": (delta.abs().amax() == 0).to(r.dtype) if r.numel() else one,
+        }
+        if x.ref_logp is not None:
+            stats["kl_ref"] = masked_mean(kl_penalty(x.logp.detach(), x.ref_logp.to(x.logp.dtype), "k3"), mask)
+        stats.update(terms.extra)
+        names = list(stats)
+        values = torch.stack([v.to(torch.float64).reshape(()).cpu() for v in stats.values()]).tolist()
+    return dict(zip(names, values))
+
+
+# ---- 3.1 PPO-clip (Schulman et al. 2017, arXiv 1707.06347) -------------------------------------------
+
+def token_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
+                    clamp: float = 20.0) -> torch.Tensor:
+    """delta_{i,t} = log pi_theta - log pi_old, clamped to [-clamp, clamp], 0 at padding.   [B, T]
+
+    The clamp keeps exp(delta) finite when a ratio explodes; inside it the gradient is exactly
+    d logp. verl 0.9.1 clamps at 20 in its `vanilla` loss only: its `gspo` clamps the log-ratio at
+    10 from above, and `clip_cov`, `kl_cov` and `geo_mean` do not clamp.
+    """
+    delta = (logp - old_logp).clamp(-clamp, clamp)
+    return torch.where(mask.bool(), delta, torch.zeros_like(delta))
+
+
+def _token_ratio(x: ObjectiveInputs, cfg: ObjectiveConfig) -> torch.Tensor:
+    """r_{i,t} = exp(delta_{i,t}) = pi_theta / pi_old at each token (1 at padding).              [B, T]"""
+    return torch.exp(token_log_ratio(x.logp, x.old_logp, x.mask, cfg.log_ratio_clamp))
+
+
 def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float,
                       dual_clip_c: float | None = None):
     """PPO's pessimistic clipped loss, elementwise: max(-A r, -A clip(r, 1-eps_low, 1+eps_high)).
@@ -683,11 +652,6 @@ def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, ep
     return loss, clipped_low, clipped_high
 
 
-def _token_ratio(x: ObjectiveInputs, cfg: ObjectiveConfig) -> torch.Tensor:
-    """r_{i,t} = exp(delta_{i,t}) = pi_theta / pi_old at each token (1 at padding).              [B, T]"""
-    return torch.exp(token_log_ratio(x.logp, x.old_logp, x.mask, cfg.log_ratio_clamp))
-
-
 def _reference_kl(x: ObjectiveInputs, cfg: ObjectiveConfig, name: str) -> torch.Tensor | None:
     """The GRPO-style KL part: KL(pi_theta || pi_ref) at each token, [B, T]; None when beta = 0."""
     if cfg.beta == 0:
@@ -698,7 +662,12 @@ def _reference_kl(x: ObjectiveInputs, cfg: ObjectiveConfig, name: str) -> torch.
     return kl_penalty(x.logp, x.ref_logp.detach().to(x.logp.dtype), cfg.kl_estimator)
 
 
-# ---- 3.1 PPO-clip (Schulman et al. 2017, arXiv 1707.06347) -------------------------------------------
+def _ppo_clip_terms(x: ObjectiveInputs, cfg: ObjectiveConfig, name: str) -> PolicyTerms:
+    """PPO-clip's per-token terms, for ppo_clip_loss and 3.2's three (`name` words a missing ref_logp's error)."""
+    ratio = _token_ratio(x, cfg)                                                        # [B, T]
+    loss, low, high = clipped_surrogate(ratio, x.adv, cfg.eps_low, cfg.eps_high, cfg.dual_clip_c)
+    return PolicyTerms(loss, ratio, low, high, kl=_reference_kl(x, cfg, name))
+
 
 @objective(reads=("ref_logp",))
 def ppo_clip_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
@@ -715,45 +684,35 @@ def ppo_clip_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
     Does nothing special when on-policy: every r = 1, no token is clipped, and the gradient is the
     plain policy gradient -A d log pi (aggregated).
     """
-    ratio = _token_ratio(x, cfg)                                                        # [B, T]
-    loss, low, high = clipped_surrogate(ratio, x.adv, cfg.eps_low, cfg.eps_high, cfg.dual_clip_c)
-    return PolicyTerms(loss, ratio, low, high, kl=_reference_kl(x, cfg, "ppo"))
+    return _ppo_clip_terms(x, cfg, "ppo")
 
 
-# ---- 3.2 GRPO, DAPO and Dr. GRPO: three presets of PPO-clip's loss ---------------------------------
-# The three compute PPO-clip's per-token loss, exactly; what makes each one is its settings alone,
-# PAPER_DEFAULTS[name] (advantages, aggregation, clip range, KL), and for DAPO two data-side pieces
-# (section 1). So each is ppo_clip_loss under its own name and docstring (test_tepo.py checks that the
-# four give the same loss, gradient and metrics under the same settings).
+# ---- 3.2 GRPO, DAPO and Dr. GRPO: PPO-clip's loss under each paper's settings --------------------------
+# The three are PPO-clip's per-token loss, exactly; each one is its settings, PAPER_DEFAULTS[name] (and DAPO's
+# data side, after dapo_loss). test_tepo.py checks the four agree in loss, gradient and metrics, settings alike.
 
-def _preset(loss_fn, name: str, doc: str):
-    """The objective `loss_fn` (the same checks, maths, aggregation and metrics) under another name and docstring."""
-    preset_fn = objective(reads=loss_fn.reads)(loss_fn.policy_terms)
-    preset_fn.__name__ = preset_fn.__qualname__ = name
-    preset_fn.__doc__ = doc
-    return preset_fn
-
-
-# GRPO (DeepSeekMath, Shao et al. 2024, arXiv 2402.03300)
-grpo_loss = _preset(ppo_clip_loss, "grpo_loss", """GRPO: PPO-clip with group-relative advantages, a per-sequence
-    mean, and a k3 KL to the reference.
+@objective(reads=("ref_logp",))
+def grpo_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
+    """GRPO: PPO-clip with group-relative advantages, a per-sequence mean, and a k3 KL to the reference.
 
         J = E[ (1/G) sum_i (1/|o_i|) sum_t { min(r A_i, clip(r, 1-eps, 1+eps) A_i) - beta D_KL,i,t } ]
         A_i = (r_i - mean(r_group)) / std(r_group),  D_KL = pi_ref/pi - log(pi_ref/pi) - 1   (k3)
 
-    GRPO is a choice of advantages (group_advantages, scale="group"), aggregation
-    ("seq-mean-token-mean") and KL (beta=0.04, k3).
-    Paper: arXiv 2402.03300. TRL 1.16: GRPOTrainer(loss_type="grpo", beta=0.04). verl 0.9.1:
-    algorithm.adv_estimator=grpo, loss_agg_mode=seq-mean-token-mean, use_kl_loss=True,
-    kl_loss_type=low_var_kl; verl's `vanilla` loss always dual-clips (c = 3), which tepo's GRPO, DAPO
-    and Dr. GRPO defaults do not (dual_clip_c=3 to match). DeepSeekMath made one update per
-    rollout, so r = 1 and the clip never acted (metrics: on_policy = 1); a group whose rewards are
-    all equal has A = 0 and contributes only its KL gradient.
-    """)
+    GRPO is a choice of advantages (group_advantages, scale="group"), aggregation ("seq-mean-token-mean")
+    and KL (beta=0.04, k3).
+    Paper: arXiv 2402.03300 (DeepSeekMath, Shao et al. 2024). TRL 1.16: GRPOTrainer(loss_type="grpo",
+    beta=0.04). verl 0.9.1: algorithm.adv_estimator=grpo, loss_agg_mode=seq-mean-token-mean,
+    use_kl_loss=True, kl_loss_type=low_var_kl; verl's `vanilla` loss always dual-clips (c = 3), which
+    tepo's GRPO, DAPO and Dr. GRPO defaults do not (dual_clip_c=3 to match). DeepSeekMath made one
+    update per rollout, so r = 1 and the clip never acted (metrics: on_policy = 1); a group whose
+    rewards are all equal has A = 0 and contributes only its KL gradient. Defaults: PAPER_DEFAULTS["grpo"].
+    """
+    return _ppo_clip_terms(x, cfg, "grpo")
 
-# DAPO (Yu et al. 2025, arXiv 2503.14476)
-dapo_loss = _preset(ppo_clip_loss, "dapo_loss", """DAPO: PPO-clip with clip-higher and a token-level mean over
-    the whole batch.
+
+@objective(reads=("ref_logp",))
+def dapo_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
+    """DAPO: PPO-clip with clip-higher and a token-level mean over the whole batch.
 
         J = E[ 1/(sum_i |o_i|) sum_i sum_t min(r_{i,t} A_i, clip(r_{i,t}, 1-eps_low, 1+eps_high) A_i) ]
         subject to 0 < #correct in the group < G
@@ -762,27 +721,81 @@ dapo_loss = _preset(ppo_clip_loss, "dapo_loss", """DAPO: PPO-clip with clip-high
     advantage may grow, which slows entropy collapse); token-mean aggregation (every token weighs
     the same, so long answers are not down-weighted); dynamic sampling (dynamic_sampling_mask,
     data side); overlong reward shaping (soft_overlong_punishment, data side). No KL (beta = 0).
-    Paper: arXiv 2503.14476. TRL 1.16: loss_type="dapo", epsilon=0.2, epsilon_high=0.28. verl 0.9.1:
-    clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=token-mean, algorithm.filter_groups.
+    Paper: arXiv 2503.14476 (Yu et al. 2025). TRL 1.16: loss_type="dapo", epsilon=0.2,
+    epsilon_high=0.28. verl 0.9.1: clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=token-mean,
+    algorithm.filter_groups. Defaults: PAPER_DEFAULTS["dapo"].
     On-policy the clip does nothing and DAPO is the token-mean policy gradient.
-    """)
+    """
+    return _ppo_clip_terms(x, cfg, "dapo")
 
-# Dr. GRPO (Liu et al. 2025, arXiv 2503.20783)
-dr_grpo_loss = _preset(ppo_clip_loss, "dr_grpo_loss", """Dr. GRPO ("GRPO done right"): remove GRPO's two
-    normalisations that bias it.
+
+# DAPO's two data-side pieces: they shape the batch and the rewards (the trainer applies them), not the loss.
+@torch.no_grad()
+def dynamic_sampling_mask(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Keep the rows whose group has rewards that differ (std > 0).                    [B] -> bool [B]
+
+    A group that is all right or all wrong has advantage 0 for every sample: it adds no gradient
+    but dilutes the batch. DAPO drops such groups and samples more prompts until the batch is full.
+    """
+    grouped = _grouped(rewards, group_size)                                 # [n_groups, G]
+    keep = grouped.amax(1) > grouped.amin(1)
+    return keep.repeat_interleave(group_size)
+
+
+def soft_overlong_punishment(lengths: torch.Tensor, max_len: int, cache_len: int,
+                             factor: float = 1.0) -> torch.Tensor:
+    """DAPO's length penalty, added to the task reward.                                 [B] -> [B]
+
+      0                                 if |y| <= L_max - L_cache
+      ((L_max - L_cache) - |y|) / L_cache   in between (falls linearly from 0 to -1)
+      -1                                if |y| > L_max
+    times `factor`. The paper uses L_max = 20480, L_cache = 4096.
+    """
+    if cache_len <= 0 or cache_len > max_len:
+        raise InvalidSetting("cache_len", cache_len, f"0 < cache_len <= max_len={max_len}")
+    lengths = lengths.to(torch.float64 if lengths.dtype == torch.float64 else torch.float32)
+    expected = max_len - cache_len
+    ramp = (expected - lengths) / cache_len
+    penalty = torch.where(lengths <= expected, torch.zeros_like(lengths),
+                          torch.where(lengths <= max_len, ramp, -torch.ones_like(lengths)))
+    return factor * penalty
+
+
+@objective(reads=("ref_logp",))
+def dr_grpo_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
+    """Dr. GRPO ("GRPO done right"): remove GRPO's two normalisations that bias it.
 
         J = E[ 1/(G L) sum_i sum_t min(r_{i,t} A~_i, clip(r_{i,t}, 1-eps, 1+eps) A~_i) ],
         A~_i = r_i - mean(r_group)
 
-    1/|o_i| is gone (it under-penalises long wrong answers), replaced by a constant L
-    (norm_constant; the max generation length); 1/std is gone from the advantage
-    (advantage_scale="none"; it up-weights too easy and too hard questions). No KL.
-    Paper: arXiv 2503.20783. TRL 1.16: loss_type="dr_grpo", scale_rewards="none". verl 0.9.1:
-    loss_agg_mode=seq-mean-token-sum-norm (it divides by B * C, as here), norm_adv_by_std_in_grpo=False.
-    """)
+    1/|o_i| is gone (it under-penalises long wrong answers), replaced by a constant L (norm_constant; the
+    max generation length); 1/std is gone from the advantage (advantage_scale="none"; it up-weights too
+    easy and too hard questions). No KL. Defaults: PAPER_DEFAULTS["dr_grpo"].
+    Paper: arXiv 2503.20783 (Liu et al. 2025). TRL 1.16: loss_type="dr_grpo", scale_rewards="none".
+    verl 0.9.1: loss_agg_mode=seq-mean-token-sum-norm (it divides by B * C, as here), norm_adv_by_std_in_grpo=False.
+    """
+    return _ppo_clip_terms(x, cfg, "dr_grpo")
 
 
 # ---- 3.3 GSPO and GSPO-token (Zheng et al. 2025, Qwen team, arXiv 2507.18071) ------------------------
+
+def _sequence_advantages(x: ObjectiveInputs, objective_name: str) -> torch.Tensor:
+    """The per-sequence advantages [B] as constants in logp's dtype; non-finite ones (rows with nothing
+    trained, after _prepare) as 0. Per-token advantages are refused, naming the objective."""
+    if x.advantages.dim() != 1:
+        raise ValueError(f"advantages: {objective_name} needs one advantage per sequence, shape [B], got "
+                         f"{tuple(x.advantages.shape)}; choose gspo_token for per-token advantages")
+    return _finite_or_zero(x.advantages).detach().to(x.logp.dtype)
+
+
+def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log s_i = (1/|o_i|) sum_t delta_{i,t}: the log of GSPO's geometric-mean sequence ratio.  [B]
+
+    s_i = (pi_theta(o_i|q) / pi_old(o_i|q)) ** (1/|o_i|). Without the 1/|o_i| the sequence ratio
+    of a long answer would be a product of hundreds of token ratios and explode or vanish.
+    """
+    return masked_mean(logp - old_logp, mask, dim=-1)
+
 
 @objective(reads=("ref_logp",))
 def gspo_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
@@ -836,6 +849,43 @@ def gspo_token_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
 
 # ---- 3.4 MPO (Xu et al. 2026, arXiv 2602.14386) -- RECONSTRUCTION ----------------------------------
 
+def block_index(mask: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Which K-token block each position belongs to.                                      [B, T] long
+
+    Blocks are counted over valid tokens from the first response token: the n-th valid token
+    (n = 0, 1, ...) is in block n // K. For left-aligned responses this is simply t // K.
+    """
+    if int(block_size) != block_size or block_size < 1:
+        raise InvalidSetting("block_size", block_size, "an integer K >= 1")
+    n_before = mask.long().cumsum(-1) - 1                                   # valid tokens before t
+    return n_before.clamp(min=0) // block_size
+
+
+def block_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, block_size: int,
+                    block_ratio: str = "joint") -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-ratio of each K-token block (MPO, reconstruction).         [B, T] -> ([B, J], [B, J])
+
+    joint:   log rho_{i,j} = sum_{t in block} delta_{i,t}   (K tokens are ONE action: the ratio of
+             the action's probability is the product of its token ratios)
+    geomean: log rho_{i,j} = mean_{t in block} delta_{i,t}  (the geometric-mean reading; a partial
+             last block is normalised by its own length)
+    J = ceil(T / K). Returns the block log-ratios and the number of valid tokens in each block
+    (0 marks an empty block). The last block of a response is partial when K does not divide
+    its length.
+    """
+    _check_choice("block_ratio", block_ratio, BLOCK_RATIOS)
+    blk = block_index(mask, block_size)                                     # [B, T]; checks K >= 1
+    B, T = logp.shape
+    J = math.ceil(T / block_size)
+    valid = mask.bool()
+    delta = torch.where(valid, logp - old_logp, torch.zeros_like(logp))
+    delta_blk = delta.new_zeros(B, J).scatter_add(1, blk, delta)            # [B, J]
+    n_blk = delta.new_zeros(B, J).scatter_add(1, blk, valid.to(delta.dtype))  # [B, J]
+    if block_ratio == "geomean":
+        delta_blk = delta_blk / n_blk.clamp(min=1)
+    return delta_blk, n_blk
+
+
 @objective(reads=("ref_logp",))
 def mpo_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
     """MPO (Multi-token Policy Gradient Optimization) -- a RECONSTRUCTION from the abstract.
@@ -877,12 +927,45 @@ def mpo_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
 
 
 # =====================================================================================================
-# 4. Entropy mathematics: why policy gradient lowers entropy, step by step
+# 4. Entropy mathematics: the policy's entropy, and why policy gradient lowers it, step by step
 # =====================================================================================================
 # Every objective above pushes up the log-probability of tokens with positive advantage and down that of
 # tokens with negative advantage. What does that do to the policy's entropy? One state, a softmax policy
 # over actions a (the vocabulary) with logits z:
-#   p_a = exp(z_a) / sum_b exp(z_b),   H(z) = -sum_a p_a log p_a   (softmax_entropy, section 1).
+#   p_a = exp(z_a) / sum_b exp(z_b),   H(z) = -sum_a p_a log p_a   (softmax_entropy, just below).
+
+def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
+    """H = -sum_v p_v log p_v from the log-probabilities of the whole vocabulary, with gradient.   [..., V] -> [...]
+
+    The one place the entropy formula is written: every entropy in this module (and the sampler's,
+    which has the log-softmax at hand) is this function.
+    """
+    return -(logp.exp() * logp).sum(-1)
+
+
+def softmax_entropy(z: torch.Tensor) -> torch.Tensor:
+    """H(softmax(z)), with gradient.                                               [..., V] -> [...]"""
+    return entropy_from_logprobs(torch.log_softmax(z, dim=-1))
+
+
+@torch.no_grad()
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0,
+                        chunk_size: int = 1024) -> torch.Tensor:
+    """Full-vocabulary entropy H = -sum_v p_v log p_v at every position.        [..., V] -> [...]
+
+    This is the entropy of the policy, not the mean -log p of the sampled token (a one-sample
+    estimate of it; test_tepo.py, property 37). Rows are processed `chunk_size` at a time, so a 150k
+    vocabulary never needs a second full-size float tensor. No gradient: it is a diagnostic.
+    """
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.promote_types(logits.dtype, torch.float32),
+                      device=logits.device)
+    for start in range(0, flat.shape[0], chunk_size):
+        out[start:start + chunk_size] = softmax_entropy(_tempered(flat[start:start + chunk_size], temperature))
+    return out.view(logits.shape[:-1])
+
+
+# ---- why it falls ----------------------------------------------------------------------------------
 # The result (Cui et al. 2505.22617; TEPO's appendix): a natural-policy-gradient step z <- z + eta A
 # changes the entropy by  -eta Cov_{a~p}(log p_a, A_a)  to first order. Confident actions with
 # positive advantage, and rare actions with negative advantage, lower entropy.
@@ -1198,6 +1281,10 @@ def tepo_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
     return PolicyTerms(loss, w, low, high, kl=masked_D if cfg.kl_mode == "soft" else None, extra=extra)
 
 
+# =====================================================================================================
+# 6. The objectives by name: each one's function, the switches it reads, the inputs it needs
+# =====================================================================================================
+
 OBJECTIVES = {
     "ppo": ppo_clip_loss,
     "grpo": grpo_loss,
@@ -1211,149 +1298,58 @@ OBJECTIVES = {
     "mpo": mpo_loss,
 }
 
-
-# =====================================================================================================
-# Appendix: the input checks and the metrics every objective shares (called by `objective`, section 3)
-# =====================================================================================================
-
-def _prepare(logp, old_logp, advantages, mask, cfg, **optional) -> ObjectiveInputs:
-    """Check shapes and values; return the inputs as ObjectiveInputs: float logp / old_logp, bool mask,
-    advantages as [B, T] (and as given), and the optional tensors passed (ref_logp, entropy, old_entropy).
-
-    Every objective starts here, so every objective refuses, with a one-line ValueError naming the
-    argument, the inputs that can only give a garbage loss:
-      - a shape other than logp's [B, T] (advantages: [B] or [B, T]);
-      - a mask holding anything but 0 and 1 (bool, or integers / floats equal to 0 or 1);
-      - NaN or +-inf in logp, old_logp, advantages or an optional tensor that is passed (ref_logp,
-        entropy, old_entropy) at a position where mask is 1; a per-sequence advantage is checked
-        on the rows with at least one valid token.
-    Padding (mask 0) may hold anything: it reaches neither the loss, nor the gradient, nor a metric
-    (test_tepo.py, property 43). Valid inputs pass unchanged. The checks cost one reduction per
-    tensor (two for a float mask) when every value is finite; the masked count is made only to word
-    the error. The switches are not checked here: an ObjectiveConfig was checked when it was made and
-    cannot change since (section 2), so only its type is.
-    """
-    if not isinstance(cfg, ObjectiveConfig):
-        raise TypeError(f"cfg: expected an ObjectiveConfig (config_for(name) or ObjectiveConfig(...)), "
-                        f"got {type(cfg).__name__}")
-    if logp.dim() != 2:
-        raise ValueError(f"logp: expected shape [B, T], got {tuple(logp.shape)}")
-    for name, tensor in (("old_logp", old_logp), ("mask", mask), *optional.items()):
-        if tensor is not None and tuple(tensor.shape) != tuple(logp.shape):
-            raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match logp {tuple(logp.shape)}")
-    if tuple(advantages.shape) not in ((logp.shape[0],), tuple(logp.shape)):
-        raise ValueError(f"advantages: shape {tuple(advantages.shape)} is not valid; choose "
-                         f"[B]={[logp.shape[0]]} or [B, T]={list(logp.shape)}")
-    valid = _checked_mask(mask)                                              # [B, T] bool
-    for name, tensor in (("logp", logp), ("old_logp", old_logp), *optional.items()):
-        if tensor is not None:
-            _check_finite_where_valid(name, tensor, valid)
-    # bf16 / fp16 inputs are computed in fp32: exp() of a ratio needs the mantissa. Gradients
-    # flow back through the cast.
-    dtype = torch.promote_types(logp.dtype, torch.float32)
-    adv = advantages.detach().to(dtype)
-    if not _check_finite_where_valid("advantages", advantages, valid):
-        adv = _finite_or_zero(adv)
-    return ObjectiveInputs(logp.to(dtype), old_logp.detach().to(dtype), _per_position(adv, logp), advantages, valid,
-                           **optional)
+# Which ObjectiveConfig fields each objective reads; a field not listed changes nothing for that objective.
+# Where each setting comes from:
+#   eps_low, eps_high     PPO's clip range (Schulman et al., arXiv 1707.06347); eps_high > eps_low is
+#                         DAPO's clip-higher (arXiv 2503.14476)
+#   dual_clip_c           dual-clip PPO (Ye et al., arXiv 1912.09729), on by default in verl's `vanilla` loss
+#   log_ratio_clamp       an implementation guard (verl's clamp), no paper
+#   beta, kl_estimator    GRPO's KL to the reference (DeepSeekMath, arXiv 2402.03300, k3); KL-Cov's and
+#                         TEPO's penalty coefficient and estimator
+#   aggregation           GRPO seq-mean-token-mean, DAPO token-mean, Dr. GRPO (arXiv 2503.20783)
+#   norm_constant         seq-mean-token-sum-norm; Dr. GRPO's constant (its max generation length)
+#   advantage_scale       GRPO's group std ("group"); Dr. GRPO drops it ("none")
+#   adv_eps               an implementation guard in the std division, no paper
+#   dynamic_sampling, overlong_penalty   DAPO (arXiv 2503.14476)
+#   entropy_coef          the entropy bonus (PPO's c2, arXiv 1707.06347), added by the trainer (entropy_bonus)
+#   clip_cov_*, kl_cov_ratio             Clip-Cov / KL-Cov (Cui et al., arXiv 2505.22617)
+#   ratio_mode, entropy_criterion, kl_target, kl_mode, kl_tau   TEPO (arXiv 2510.09369), our reconstruction
+#   block_size, block_ratio, block_agg   MPO (arXiv 2602.14386), our reconstruction
+# TRAINER_FIELDS are read by train_small.py (advantages and data) for every objective, never by a loss.
+# MPO reads block_agg instead of aggregation/norm_constant (its unit is a block). Some fields act only together
+# with another: kl_estimator only when beta > 0 (or, for TEPO, kl_mode="hard"), norm_constant only with
+# aggregation="seq-mean-token-sum-norm", dual_clip_c only when it is not None, kl_tau only with kl_mode="hard".
+# test_tepo.py section 14 checks every entry both ways.
+TRAINER_FIELDS = ("advantage_scale", "adv_eps", "dynamic_sampling", "overlong_penalty", "entropy_coef")
+_CLIP = ("eps_low", "eps_high", "log_ratio_clamp")
+_KL_AND_AGGREGATION = ("beta", "kl_estimator", "aggregation", "norm_constant")
+FIELDS_READ: dict[str, tuple[str, ...]] = {
+    "ppo": _CLIP + ("dual_clip_c",) + _KL_AND_AGGREGATION + TRAINER_FIELDS,
+    "grpo": _CLIP + ("dual_clip_c",) + _KL_AND_AGGREGATION + TRAINER_FIELDS,
+    "dapo": _CLIP + ("dual_clip_c",) + _KL_AND_AGGREGATION + TRAINER_FIELDS,
+    "dr_grpo": _CLIP + ("dual_clip_c",) + _KL_AND_AGGREGATION + TRAINER_FIELDS,
+    "clip_cov": _CLIP + _KL_AND_AGGREGATION + ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub") + TRAINER_FIELDS,
+    "kl_cov": ("log_ratio_clamp",) + _KL_AND_AGGREGATION + ("kl_cov_ratio",) + TRAINER_FIELDS,
+    "gspo": _CLIP + _KL_AND_AGGREGATION + TRAINER_FIELDS,
+    "gspo_token": _CLIP + _KL_AND_AGGREGATION + TRAINER_FIELDS,
+    "tepo": _CLIP + _KL_AND_AGGREGATION + ("ratio_mode", "entropy_criterion", "kl_target", "kl_mode", "kl_tau")
+            + TRAINER_FIELDS,
+    "mpo": _CLIP + ("beta", "kl_estimator", "block_size", "block_ratio", "block_agg") + TRAINER_FIELDS,
+}
 
 
-def _checked_mask(mask: torch.Tensor) -> torch.Tensor:
-    """The mask as bool [B, T]; a value other than 0 / 1 (0.5, 2, NaN) raises a ValueError.
-
-    mask.bool() would read 0.5 as 1 and train a token the caller meant to half-weigh. The test is
-    two reductions rather than comparisons that allocate three [B, T] tensors: every value lies in
-    [0, 1], and for floats sum m (1 - m) = 0, a sum of terms >= 0 that is 0 only when each m is 0 or 1.
-    """
-    if mask.dtype == torch.bool or mask.numel() == 0:
-        return mask.bool()
-    low, high = torch.aminmax(mask)                                         # NaN gives NaN: refused
-    zero_one = bool(low >= 0) and bool(high <= 1)
-    if zero_one and mask.is_floating_point():
-        flat = mask.reshape(-1)
-        zero_one = bool(torch.dot(flat, 1 - flat) == 0)
-    if not zero_one:
-        bad = ~((mask == 0) | (mask == 1))
-        raise ValueError(f"mask: {int(bad.sum())} values other than 0 and 1 (e.g. {mask[bad][0].item()!r}); "
-                         f"choose a bool mask or 0/1 values (1 = the token is trained)")
-    return mask.bool()
+def needs_ref(name: str, cfg: ObjectiveConfig) -> bool:
+    """Does this objective need log-probs from a frozen reference model?"""
+    if name == "tepo":
+        return cfg.kl_target == "ref" and (cfg.beta > 0 or cfg.kl_mode == "hard")
+    if name == "kl_cov":          # KL-Cov's beta weighs |log pi - log pi_old|, not a reference KL
+        return False
+    return cfg.beta > 0
 
 
-def _check_finite_where_valid(name: str, tensor: torch.Tensor, valid: torch.Tensor) -> bool:
-    """ValueError if `tensor` ([B, T], or [B] per sequence) holds NaN or inf where valid is True;
-    returns whether every value is finite (False: some padding holds NaN or inf)."""
-    values = tensor.detach()
-    # The usual case in one fast reduction: a sum is finite only if every term is. A finite sum
-    # too large for the dtype also lands in the exact test below, which is correct, only slower.
-    if bool(torch.isfinite(values.sum(dtype=torch.promote_types(values.dtype, torch.float32)))):
-        return True
-    used = valid if values.dim() == 2 else valid.any(-1)                    # [B, T] or [B]
-    bad = used & ~torch.isfinite(values)
-    if bool(bad.any()):
-        where = [int(i) for i in bad.nonzero()[0]]
-        raise ValueError(f"{name}: {int(bad.sum())} non-finite values where mask is 1 (e.g. "
-                         f"{values[tuple(where)].item()} at {where}); pass finite values at every "
-                         f"trained position (padding, mask 0, may hold anything)")
-    return bool(torch.isfinite(values).all())
-
-
-def _finite_or_zero(advantages: torch.Tensor) -> torch.Tensor:
-    """Advantages with NaN / inf replaced by 0. After _prepare such values can only sit where nothing
-    is trained, but an advantage multiplies a ratio whose gradient there is 0, and 0 * NaN = NaN
-    would reach logp's gradient (GSPO-token's ratio has no mask between the two)."""
-    return torch.where(torch.isfinite(advantages), advantages, torch.zeros_like(advantages))
-
-
-def _sequence_advantages(x: ObjectiveInputs, objective_name: str) -> torch.Tensor:
-    """The per-sequence advantages [B] as constants in logp's dtype; non-finite ones (rows with nothing
-    trained, after _prepare) as 0. Per-token advantages are refused, naming the objective."""
-    if x.advantages.dim() != 1:
-        raise ValueError(f"advantages: {objective_name} needs one advantage per sequence, shape [B], got "
-                         f"{tuple(x.advantages.shape)}; choose gspo_token for per-token advantages")
-    return _finite_or_zero(x.advantages).detach().to(x.logp.dtype)
-
-
-def _metrics(loss, pg_loss, kl_loss, terms: PolicyTerms, x: ObjectiveInputs) -> dict[str, float]:
-    """The metrics every objective reports, as floats (token statistics over valid tokens only):
-      loss, pg_loss, kl_loss         the loss and its parts (loss = pg_loss + beta * kl_loss)
-      clip_ratio/low_mean            fraction of tokens clipped at 1 - eps_low (A < 0)
-      clip_ratio/high_mean           fraction clipped at 1 + eps_high (A > 0)
-      clip_ratio/region_mean         either of the two
-      ratio/mean, ratio/min, ratio/max   the importance ratio the objective clips
-      kl_old/k1, kl_old/k3           KL(pi_old || pi_theta) from the rollout's tokens; k1 is verl's
-                                     ppo_kl while every |log-ratio| <= 20 (verl averages the
-                                     clamped log-ratio, tepo the raw one)
-      kl_ref                         k3 KL to the reference, when the objective reads ref_logp and it is given
-      on_policy                      1.0 when every ratio is exactly 1: clipping, GSPO's clipping,
-                                     TEPO's KL mask (target old) and KL-Cov's penalty cannot act
-                                     on this step. The loss value is then ~0 with centred
-                                     advantages, while the gradient is not.
-    and the objective's own (terms.extra). One transfer to the CPU for all of them.
-    """
-    mask = x.mask
-    with torch.no_grad():
-        delta = torch.where(mask, x.logp - x.old_logp, torch.zeros_like(x.logp)).detach()
-        r = terms.ratio.detach()
-        one = torch.ones((), dtype=r.dtype, device=r.device)
-        low, high = terms.clipped_low, terms.clipped_high
-        stats = {
-            "loss": loss.detach(), "pg_loss": pg_loss.detach(), "kl_loss": kl_loss.detach(),
-            "clip_ratio/low_mean": masked_mean(low.to(r.dtype), mask),
-            "clip_ratio/high_mean": masked_mean(high.to(r.dtype), mask),
-            "clip_ratio/region_mean": masked_mean((low | high).to(r.dtype), mask),
-            "ratio/mean": masked_mean(r, mask),
-            "ratio/min": torch.where(mask, r, one).amin() if r.numel() else one,
-            "ratio/max": torch.where(mask, r, one).amax() if r.numel() else one,
-            "kl_old/k1": masked_mean(-delta, mask),
-            "kl_old/k3": masked_mean(torch.expm1(delta.clamp(max=20)) - delta, mask),
-            "on_policy": (delta.abs().amax() == 0).to(r.dtype) if r.numel() else one,
-        }
-        if x.ref_logp is not None:
-            stats["kl_ref"] = masked_mean(kl_penalty(x.logp.detach(), x.ref_logp.to(x.logp.dtype), "k3"), mask)
-        stats.update(terms.extra)
-        names = list(stats)
-        values = torch.stack([v.to(torch.float64).reshape(()).cpu() for v in stats.values()]).tolist()
-    return dict(zip(names, values))
+def needs_entropy(name: str, cfg: ObjectiveConfig) -> bool:
+    """Does this objective need the entropy now and at rollout time (TEPO's measured criterion)?"""
+    return name == "tepo" and cfg.entropy_criterion == "measured"
 
 
 if __name__ == "__main__":

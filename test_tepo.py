@@ -101,8 +101,9 @@ Besides these: one-line ValueErrors naming the bad argument and the valid choice
 where mask is 1, a mask that is not 0/1, a shape mismatch: refused by every objective), fully masked
 rows giving finite zeros, an empty batch giving exactly 0 with zero gradients, bf16 inputs staying
 close to float64, and finite values at extreme ratios; and the structure of tepo.py: GRPO, DAPO and
-Dr. GRPO are PPO-clip's loss exactly, a config is checked once when it is made (not on every call),
-and every entropy is the one formula of entropy_from_logprobs.
+Dr. GRPO are PPO-clip's loss exactly, every objective is a `def <name>_loss` of its own, a config is
+checked once when it is made (not on every call), every entropy is the one formula of
+entropy_from_logprobs, and the metrics' KL is kl_penalty's k3.
 
 Rules followed throughout:
 * float64, gradients by torch.autograd w.r.t. ``logp``;
@@ -231,7 +232,7 @@ def ref_group_adv(rewards, G, scale="group", eps=1e-6):
 
 
 def ref_cov(logp, adv, mask):
-    """Per-token covariance (tepo.token_covariance, section 1) by a plain loop (means over valid tokens)."""
+    """Per-token covariance (tepo.token_covariance, section 5) by a plain loop (means over valid tokens)."""
     B, T = logp.shape
     A = adv if adv.dim() == 2 else adv[:, None].expand(B, T)
     vt = valid_tokens(mask)
@@ -1663,6 +1664,32 @@ def test_kl_old_metrics_average_valid_tokens_only(name, ov):
     assert math.isclose(m["kl_old/k3"], sum(math.exp(v) - v - 1 for v in d) / len(d), rel_tol=1e-9)
 
 
+@pytest.mark.parametrize("name", sorted(tepo.OBJECTIVES))
+def test_the_metrics_k3_is_kl_penalty(name):
+    """Structure: the metrics' k3 is kl_penalty's. kl_ref is the valid-token mean of kl_penalty(logp, ref_logp,
+    "k3"), bit for bit. kl_old/k3 is kl_penalty(old_logp, logp, "k3") (x = -delta) wherever verl's clamps do not
+    act, written as expm1(delta) - delta without them, for the two reasons _metrics gives: in float32 it keeps a
+    KL of ~1e-8 near ratio 1 that exp(delta) - 1 loses to rounding, and it is not capped at 10."""
+    x = make_inputs(B=6, T=7, seed=56, noise=0.4)
+    torch.manual_seed(0)
+    _, _, m = run_x(name, x, cfg(name, beta=0.1))
+    mask = x.mask.bool()
+    if name != "kl_cov":                                         # KL-Cov reads no reference
+        assert m["kl_ref"] == tepo.masked_mean(tepo.kl_penalty(x.logp, x.ref, "k3"), mask).item()
+    assert math.isclose(m["kl_old/k3"], tepo.masked_mean(tepo.kl_penalty(x.old, x.logp, "k3"), mask).item(),
+                        rel_tol=1e-12)
+    # float32 near ratio 1 (|delta| ~ 1e-4): within 0.1 % of the float64 value of the same float32 inputs
+    noise = torch.randn(6, 7, generator=torch.Generator().manual_seed(57), dtype=F64)
+    lp32, old32 = x.logp.float(), (x.logp + 1e-4 * noise).float()
+    torch.manual_seed(0)
+    _, _, m32 = run(name, lp32, old32, x.adv.float(), x.mask, cfg(name, beta=0.0))
+    d = [float(lp32[i, t].double() - old32[i, t].double()) for i, t in valid_tokens(x.mask)]
+    assert math.isclose(m32["kl_old/k3"], sum(math.expm1(v) - v for v in d) / len(d), rel_tol=1e-3)
+    # a ratio that blew up (delta = 4 on every token) is logged as it is, not as kl_penalty's cap of 10
+    _, _, m_big = run_x(name, x, cfg(name), old=x.logp - 4.0)
+    assert math.isclose(m_big["kl_old/k3"], math.exp(4.0) - 5.0, rel_tol=1e-12)
+
+
 @pytest.mark.parametrize("name,ov", SWEEP, ids=SWEEP_IDS)
 def test_metrics_have_documented_keys_and_loss_metric_equals_loss(name, ov):
     x = make_inputs(B=4, T=6, seed=54, noise=0.2)
@@ -2119,6 +2146,27 @@ def test_every_field_an_objective_reads_changes_its_loss_or_gradient(name):
         firsts = {r[0]: r for r in reversed(results)}
         assert any(not (torch.equal(loss, firsts[cid][2]) and torch.equal(grad, firsts[cid][3]))
                    for cid, _, loss, grad in results), (name, field)
+
+
+def test_every_objective_is_a_def_of_its_own_name_with_its_equation_and_paper():
+    """Structure: `grep "def <name>_loss" tepo.py` finds every objective: each function of OBJECTIVES is a
+    module-level def of that name, decorated by @objective, whose maths is that def (not another objective's
+    under a new name) and whose docstring, an equation and a paper (arXiv), is the objective's."""
+    import ast
+    import inspect
+    tree = ast.parse(open(tepo.__file__).read())
+    defs = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    assigned = {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
+                if isinstance(t, ast.Name)}
+    for name, fn in tepo.OBJECTIVES.items():
+        node = defs.get(fn.__name__)
+        assert node is not None and fn.__name__.endswith("_loss") and fn.__name__ not in assigned, name
+        assert [ast.unparse(d.func) for d in node.decorator_list if isinstance(d, ast.Call)] == ["objective"], name
+        first_line = min([node.lineno] + [d.lineno for d in node.decorator_list])   # a def starts at its decorator
+        assert fn.policy_terms.__code__.co_firstlineno == first_line and fn.policy_terms.__name__ == fn.__name__
+        assert inspect.cleandoc(fn.__doc__) == ast.get_docstring(node), name
+        assert "arXiv" in fn.__doc__ and "=" in fn.__doc__.split("\n\n")[1], name
+    assert "RECONSTRUCTION" in tepo.tepo_loss.__doc__ and "RECONSTRUCTION" in tepo.mpo_loss.__doc__
 
 
 def test_all_lists_every_public_name_once():
