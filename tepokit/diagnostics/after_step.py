@@ -17,6 +17,8 @@ with any of them switched off."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 import tepo
@@ -73,7 +75,13 @@ def measure_step(run, step: int, record, taps: UpdateTaps) -> tuple[dict, dict |
         saw = [[(rows, logp, entropy if entropy is not None else taps.kept_entropies[i][j])
                 for j, (rows, logp, entropy) in enumerate(micro_batches)]
                for i, micro_batches in enumerate(record.loss_saw)]
-        details = kl_mask_details(run.cfg, step, saw, batch, seen, record.adv, record.scored["rewards"], run.tokenizer)
+        old = seen
+        if saw and not settings.recompute:   # the fast twin: the first optimizer step's forward is the old policy of
+            entropy = seen.entropy.clone()   # its rows (update_policy), its entropies too, as the loss would have
+            for rows, _, first in saw[0]:    # taken them had it read them (TEPO's measured criterion)
+                entropy[rows.to(entropy.device)] = first.to(entropy.dtype)
+            old = dataclasses.replace(seen, entropy=entropy)
+        details = kl_mask_details(run.cfg, step, saw, batch, old, record.adv, record.scored["rewards"], run.tokenizer)
     return row, details
 
 
