@@ -540,9 +540,9 @@ def train(args: Args, obj_overrides: dict, clock=PhaseClock) -> dict:
                 record.clock.lap("measure")
                 row = {"step": step, **record.losses, **measured, **record.clock.row(),
                        "perf/tokens_per_second": record.batch.completion_mask.sum().item() / record.clock.total()}
+                del record, taps          # the step's tensors (the taps' logits and parameters) before the evaluation
                 check_finite(step, row, run)
-                # The final evaluation, off the schedule, leaves the RNG as it found it, so that a run extended
-                # later (--resume --steps) equals an unbroken one.
+                # An evaluation off the schedule leaves the RNG as found: --resume --steps then equals an unbroken run
                 if step % args.eval_every == 0 or step == args.steps:
                     with torch.random.fork_rng(enabled=step % args.eval_every != 0):
                         row.update(evaluate(run.model, run.tokenizer, run.test_set, args, run.device))

@@ -169,17 +169,19 @@ CONFIGS = {
     "checkpointing, prefill": ("qwen_wide_mlp", ["--micro-batch-size", "2", "--gradient-checkpointing",
                                                  "--max-prompt-tokens", "128", "--max-new-tokens", "4",
                                                  "--no-check-sampling-logprobs"], "generation"),
-    # bf16: the fp32 forward of precision_noise_floor beside the old log-probs
+    # bf16: the reference model's and the policy's forwards (recomputed in bf16) peak; precision_noise_floor's bf16
+    # and fp32 log-probs of one micro-batch run after the step, in the entropy check's phase
     "bf16": ("qwen", ["--micro-batch-size", "8", "--precision", "bf16", "--max-prompt-tokens", "24",
                       "--max-new-tokens", "12"], "old log-probs"),
     # GPT-2's sampling loop: evaluation keeps each of 16 prompts' keys and values, training each group's once
     "gpt2 loop, evaluation": ("gpt2", ["--micro-batch-size", "2", "--max-prompt-tokens", "192", "--max-new-tokens",
                                        "4", "--n-test", "16", "--beta", "0"], "evaluation"),
-    # the loop's old log-probs are the sampler's: the entropy check copies its logits of all 8 checked rows at once, and
-    # the rollout holds them from the generation to the update, beside the reference model's forwards (GRPO's beta)
-    "gpt2 loop, sampler's logits": ("gpt2", ["--micro-batch-size", "16", "--mini-batches", "1", "--max-prompt-tokens",
-                                             "32", "--max-new-tokens", "128", "--entropy-check-every", "1",
-                                             "--entropy-check-rows", "8"], "update"),
+    # the loop's old log-probs are the sampler's: the update's taps keep the logits of all 8 checked rows before its
+    # first optimizer step ([c, T, V], tepokit/core/taps.py) and hold them through the update (its no-grad forward,
+    # then the backward beside them) to the entropy check, which peaks with them and the logits after
+    "gpt2 loop, taps' logits": ("gpt2", ["--micro-batch-size", "16", "--mini-batches", "1", "--max-prompt-tokens",
+                                         "32", "--max-new-tokens", "128", "--entropy-check-every", "1",
+                                         "--entropy-check-rows", "8"], "entropy check"),
     # --cuda-graphs on: transformers' StaticCache holds prompt + new tokens from the prefill on
     "static KV cache": ("qwen_wide_mlp", ["--micro-batch-size", "2", "--gradient-checkpointing", "--cuda-graphs", "on",
                                           "--max-prompt-tokens", "128", "--max-new-tokens", "8",

@@ -153,21 +153,25 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
                             rows * T * V * 4, "log-softmax temporaries": 3 * rows * V * 4}))
         return moments
 
-    def forward(rows: int, nbytes: int) -> list:
+    def forward(rows: int, nbytes: int, entropy: bool = True) -> list:
         """The moments of a no-grad completion_logits on `rows` rows (each distinct prompt once, its keys and
         values copied to its rows, then the completions; under checkpointing or --no-fast each row's whole
-        sequence), then its log-probs and entropy chunk by chunk. nbytes: of the logits and linear outputs."""
+        sequence), then its log-probs and entropy chunk by chunk. nbytes: of the logits and linear outputs.
+        entropy=False: the log-probs alone (token_logprobs: a float32 chunk, one more for the temperature's
+        division, half of one more from bf16 logits)."""
         logits = rows * (T + 1) * V * nbytes
+        temporaries = (chunks(rows * T, 4) if entropy else
+                       chunks(rows * T, 1 + (args.temperature != 1.0)) + (chunks(rows * T, 1) // 2 if nbytes < 4
+                                                                         else 0))
         if whole_sequences:
             return [("forward", {"one layer": rows * S * (mlp * nbytes // a + 3 * H * 4) + rows * S * S,
                                  "logits": logits}),
-                    ("log-probs", {"logits and a contiguous copy": 2 * logits, "chunk temporaries":
-                                   chunks(rows * T, 4)})]
+                    ("log-probs", {"logits and a contiguous copy": 2 * logits, "chunk temporaries": temporaries})]
         cache = L * rows * S * kv * (4 + nbytes)
         return [("forward", {"KV cache": cache, "one layer": rows * T * (mlp * nbytes // a + 3 * H * 4)
                              + 2 * rows * S * (kv * (4 + nbytes) + H * nbytes) + rows * T * S}),
                 ("logits", {"KV cache": cache, "logits (two pieces and their concatenation)": 2 * logits}),
-                ("log-probs", {"logits": logits, "chunk temporaries": chunks(rows * T, 4)})]
+                ("log-probs", {"logits": logits, "chunk temporaries": temporaries})]
 
     # What one layer keeps for the backward, per token: the residual stream and the norms (fp32), the
     # attention's queries, output and its copy, the MLP's outputs; per row, the (repeated) keys and values.
@@ -219,9 +223,11 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
                 for moment, parts in forward(b, a)] or [("none: the sampler's", {})]
 
     def entropy_check() -> list:
-        """After the step: the bf16 noise floor (one micro-batch in bf16 and in fp32), then the entropy check."""
-        floor = ([(f"bf16 noise floor: {moment}", {**copies, **before, **parts})
-                  for nbytes in (a, 4) for moment, parts in forward(b, nbytes)] if args.precision == "bf16" else [])
+        """After the step: the bf16 noise floor (the log-probs of one micro-batch in bf16, under autocast with its
+        weight copies, then in fp32, without: autocast's cache is emptied when it ends), then the entropy check."""
+        floor = ([(f"bf16 noise floor, {name}: {moment}", {**held, **before, **parts})
+                  for name, nbytes, held in (("bf16", a, copies), ("fp32", 4, {}))
+                  for moment, parts in forward(b, nbytes, entropy=False)] if args.precision == "bf16" else [])
         if not rows_checked:
             return floor or [("not run", {})]
         rows = min(b, rows_checked)
