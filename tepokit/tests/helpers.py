@@ -72,6 +72,23 @@ def micro_run(model, tokenizer, args, objective, ref_model=None, lr=1e-3, recomp
                   settings=settings, trackers=Trackers([], "", {}))
 
 
+FIRST_MINIBATCH = ("logprobs/first_minibatch_max_abs_log_ratio", "logprobs/first_minibatch_mean_abs_log_ratio")
+
+
+def old_policy_and_update(run, batch, adv, plan, observe=None):
+    """Steps 5 and 6 of rl_step on a given rollout: the old policy (ts.old_policy), then the update
+    (ts.update_policy, with its observer). Returns (metrics, seen, old, loss_saw): the loss's metrics with the
+    first mini-batch's log-ratio against the old log-probs (what the run logs from after_step.rollout_statistics),
+    the old policy as the loss saw it, the old policy as computed before the update, and what the loss saw."""
+    from tepokit.diagnostics.after_step import rollout_statistics
+    old = ts.old_policy(run, batch, plan)
+    losses, seen, loss_saw = ts.update_policy(run, batch, old, adv, plan, observe)
+    record = ts.StepRecord(problems=None, batch=batch, texts=[], scored={}, adv=adv, keep=None, plan=plan, old=old,
+                           seen=seen, loss_saw=loss_saw, losses=losses, clock=None)
+    stats = rollout_statistics(run.model, record, run.settings)
+    return {**losses, **{key: stats[key] for key in FIRST_MINIBATCH}}, seen, old, loss_saw
+
+
 def hand_batch(vocab: int, rows: int, prompt: int, completion: int, seed: int = 0):
     """A rollout made by hand (train_small.Rollout): left-padded prompts and completions of different lengths;
     no row is truncated, and there are no sampler fields."""

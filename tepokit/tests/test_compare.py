@@ -154,9 +154,11 @@ def test_a_run_that_diverges_ends_the_comparison_in_one_line_that_says_what_to_d
     from tepokit.plumbing.non_finite import Diverged
     real_rl_step = ts.rl_step
 
-    def rl_step(run, step):
-        row, details = real_rl_step(run, step)
-        return {**row, "loss": math.nan}, details
+    def rl_step(run, step, observe=None):
+        record = real_rl_step(run, step, observe=observe)
+        assert "loss" in record.losses                  # the loss's metrics, which the step's row carries
+        record.losses = {**record.losses, "loss": math.nan}
+        return record
     monkeypatch.setattr(ts, "rl_step", rl_step)
     with pytest.raises(Diverged) as diverged:
         ts.main([*MICRO, "--compare", "grpo", "--steps", "1", "--out", "runs/cmp_diverged"])

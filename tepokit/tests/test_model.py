@@ -25,7 +25,7 @@ from tepokit.core.forward import eos_ids_of
 from tepokit.plumbing.rundir import lock_file
 from tepokit.setup.task import load_task
 from tepokit.core.reward import format_prompt
-from tepokit.tests.helpers import MICRO, REPO, SCRIPT, hand_batch, micro_run, wait_until
+from tepokit.tests.helpers import MICRO, REPO, SCRIPT, hand_batch, micro_run, old_policy_and_update, wait_until
 
 
 def test_char_tokenizer_round_trip_and_pad_is_eos():
@@ -85,8 +85,7 @@ def test_dropout_settings_are_off_also_in_train_mode_with_checkpointing(tmp_path
     run = micro_run(model, tokenizer, args, "grpo", beta=0.0)
     adv, keep = torch.randn(8), torch.ones(8, dtype=torch.bool)
     plan = ts.minibatch_plan(keep, args, run.settings.rows_per_forward)
-    old, _ = ts.rollout_statistics(run, batch, adv, plan)
-    metrics, _, _ = ts.update_policy(run, batch, old, adv, plan)
+    metrics, _, _, _ = old_policy_and_update(run, batch, adv, plan)
     assert metrics["logprobs/first_minibatch_max_abs_log_ratio"] == 0.0
 
 

@@ -49,19 +49,19 @@ def test_each_kind_of_divergence_ends_the_run_at_its_step_before_it_is_saved(wor
     loss or an infinite gradient norm in the step's metrics, a NaN weight. Step 1 stays logged and checkpointed."""
     real_rl_step, out = ts.rl_step, f"runs/diverged_{len(str(error))}"
 
-    def rl_step(run, step):
-        row, details = real_rl_step(run, step)
+    def rl_step(run, step, observe=None):
+        record = real_rl_step(run, step, observe=observe)
         if step == 2:
             if isinstance(error, Exception):
                 raise error
             key, value = {"nan loss": ("loss", math.nan), "infinite gradient norm": ("grad_norm", math.inf),
                           "nan weight": (None, None)}[error]
-            if key:
-                row[key] = value
+            if key:                        # the loss's metrics, which the step's row carries
+                record.losses = {**record.losses, key: value}
             else:
                 with torch.no_grad():
                     next(run.model.parameters())[0] = math.nan
-        return row, details
+        return record
 
     monkeypatch.setattr(ts, "rl_step", rl_step)
     with pytest.raises(Diverged) as diverged:
@@ -74,7 +74,7 @@ def test_each_kind_of_divergence_ends_the_run_at_its_step_before_it_is_saved(wor
 
 
 def test_other_errors_are_not_taken_for_divergence(workdir, monkeypatch):
-    def rl_step(run, step):
+    def rl_step(run, step, observe=None):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
     monkeypatch.setattr(ts, "rl_step", rl_step)
     with pytest.raises(RuntimeError, match="illegal memory access"):

@@ -33,7 +33,7 @@ def test_the_command_the_summary_names_writes_every_figure_as_a_readable_png(mic
     figures into <run dir>/figures/: PNG images of the drawn size (inches x 110 dpi), RGB, not blank, and the
     same bytes when drawn again from the same logs."""
     run_dir, summary = micro_tepo_run
-    command = re.search(r"python -m tepokit\.plot (\S+)", summary)
+    command = re.search(r"python -m tepokit\.tools\.plot (\S+)", summary)
     assert command and Path(command[1]) == Path("runs/plotted")
     assert main([command[1]]) == 0
     lines = capsys.readouterr().out.splitlines()

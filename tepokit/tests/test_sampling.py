@@ -1,6 +1,7 @@
 """tepokit/fast/sampling.py: the KV-cache sampling loop against transformers' generate (same tokens under the
 same random stream, same log-probs and entropies), its logits against a full forward, and when the old
 log-probs are the sampler's."""
+import contextlib
 import dataclasses
 
 import pytest
@@ -9,6 +10,7 @@ from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, Qwen2Con
 
 import tepo
 import train_small as ts
+from tepokit.fast import sampling
 from tepokit.fast.cuda_graph import static_generation
 from tepokit.core.forward import completion_logits
 from tepokit.setup.model import (START_MODEL_DIR, build_char_tokenizer, build_tiny_model, load_policy, tiny_model_config,
@@ -34,14 +36,45 @@ def tiny(eos_ids=None, seed=0, n_layer=2, **args):
     return model, tok, enc, eos
 
 
+@contextlib.contextmanager
+def logits_sampled_from(rows: int):
+    """The logits [B, V] each sampling step read its log-probs and entropies from (sampling.logprob_and_entropy,
+    which the loop's sample_step and generate's stacked logits both go through), of the first `rows` rows, copied:
+    yields a list that holds them afterwards as [rows, steps, V] (steps: the loop may run a few past the end;
+    kept_logits cuts them to the completions' length). The samplers no longer keep logits themselves (the
+    entropy check's come from the update's taps, tepokit/core/taps.py)."""
+    steps, out, own = [], [], sampling.logprob_and_entropy
+
+    def recording(logits, token, temperature):
+        steps.append(logits[:rows].detach().clone())
+        return own(logits, token, temperature)
+    sampling.logprob_and_entropy = recording
+    try:
+        yield out
+    finally:
+        sampling.logprob_and_entropy = own
+        out.append(torch.stack(steps, 1) if steps else None)
+
+
+def kept_logits(recorded: list, result: dict) -> torch.Tensor:
+    """The recorded logits over the completions' T positions: [rows, T, V]."""
+    return recorded[0][:, :result["completion_ids"].shape[1]].contiguous()
+
+
 def both(model, tok, enc, eos, group_size=4, max_new_tokens=12, temperature=0.7, greedy=False, seed=5, keep=0):
+    """The loop's and generate's samples from the same seed; with keep > 0 each result also holds, as "logits",
+    the logits [keep, T, V] of its first rows that it sampled from (logits_sampled_from)."""
     settings = dict(group_size=group_size, max_new_tokens=max_new_tokens, temperature=temperature, eos_ids=eos,
-                    pad_id=tok.pad_token_id, greedy=greedy, keep_logits_rows=keep)
-    torch.manual_seed(seed)
-    loop = sample_gpt2(model, enc.input_ids, enc.attention_mask, **settings)
-    torch.manual_seed(seed)
-    gen = sample_generate(model, enc.input_ids, enc.attention_mask, want_logprobs=True, **settings)
-    return loop, gen
+                    pad_id=tok.pad_token_id, greedy=greedy)
+    out = []
+    for function, extra in ((sample_gpt2, {}), (sample_generate, dict(want_logprobs=True))):
+        torch.manual_seed(seed)
+        with logits_sampled_from(keep) as recorded:
+            result = function(model, enc.input_ids, enc.attention_mask, **extra, **settings)
+        if keep:
+            result["logits"] = kept_logits(recorded, result)
+        out.append(result)
+    return tuple(out)
 
 
 @pytest.mark.parametrize("greedy", [False, True])
@@ -181,8 +214,9 @@ def test_each_prompt_read_once_per_group_is_a_full_forward_in_float64(group_size
         use_fused_gelu(model)
     B = len(QUESTIONS) * group_size
     torch.manual_seed(2)
-    loop = sample_gpt2(model, enc.input_ids, enc.attention_mask, group_size, 10, 1.0, eos, tok.pad_token_id,
-                       keep_logits_rows=B)
+    with logits_sampled_from(B) as recorded:
+        loop = sample_gpt2(model, enc.input_ids, enc.attention_mask, group_size, 10, 1.0, eos, tok.pad_token_id)
+    loop["logits"] = kept_logits(recorded, loop)
     prompt_mask = enc.attention_mask.repeat_interleave(group_size, 0)
     completion_mask = ts.completion_mask(loop["completion_ids"], eos)
     attn = torch.cat([prompt_mask, completion_mask], 1)
@@ -234,17 +268,21 @@ def test_which_models_the_loop_covers_and_when_the_old_logprobs_are_recomputed()
 def test_generate_group_plain_and_its_twins_give_the_same_rollout():
     """generate_group's plain path (--no-fast: model.generate, tokens only) and its fast twins (--sampler loop,
     the shared-prefix sampler; --sampler generate, generate with its stacked logits) draw the same rollout from
-    the same seed; the two twins also give the same log-probs, entropies and kept logits."""
+    the same seed; the two twins also give the same log-probs, entropies and the logits they sampled from
+    (the first 4 rows'); the plain path reads no logits for log-probs at all."""
     model, tok, _, _ = tiny()
     args = ts.Args(temperature=0.8, max_new_tokens=10, check_sampling_logprobs=True)
-    out = {}
+    out, logits = {}, {}
     for name, settings in (("loop", dict(sampler="loop")), ("generate", dict(sampler="generate")),
                            ("plain", dict(fast=False))):
         torch.manual_seed(3)
-        out[name] = ts.generate_group(model, tok, QUESTIONS, 3, dataclasses.replace(args, **settings),
-                                      torch.device("cpu"), want_logprobs=True, keep_logits_rows=4)
+        with logits_sampled_from(4) as recorded:
+            out[name] = ts.generate_group(model, tok, QUESTIONS, 3, dataclasses.replace(args, **settings),
+                                          torch.device("cpu"), want_logprobs=True)
+        logits[name] = recorded[0]
     loop, generate, plain = out["loop"], out["generate"], out["plain"]
-    assert plain.sampling_logp is None and plain.sampling_logits is None      # the plain path: tokens only
+    assert plain.sampling_logp is None and plain.sampling_entropy is None     # the plain path: tokens only
+    assert logits["plain"] is None                                            # and reads no logits for them
     assert len(set(loop.completion_mask.sum(1).tolist())) > 1                 # rows end at different lengths
     for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated"):
         assert torch.equal(getattr(loop, key), getattr(generate, key)), key
@@ -252,4 +290,6 @@ def test_generate_group_plain_and_its_twins_give_the_same_rollout():
     mask = loop.completion_mask.bool()
     for key in ("sampling_logp", "sampling_entropy"):        # after a row's end: not used, and not compared
         assert (getattr(loop, key) - getattr(generate, key)).abs()[mask].max() < 1e-5, key
-    assert (loop.sampling_logits - generate.sampling_logits).abs().max() < 1e-4
+    T = loop.completion_ids.shape[1]
+    assert logits["loop"][:, :T].shape == logits["generate"].shape == (4, T, len(tok))
+    assert (logits["loop"][:, :T] - logits["generate"]).abs().max() < 1e-4

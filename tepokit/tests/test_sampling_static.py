@@ -15,7 +15,7 @@ from tepokit.fast import cuda_graph
 from tepokit.fast import sampling
 from tepokit.fast.cuda_graph import static_decoder, static_generation
 from tepokit.fast.sampling import sample, sample_generate, sample_gpt2, sample_static_cache, static_cache_problem
-from tepokit.tests.test_sampling import tiny
+from tepokit.tests.test_sampling import kept_logits, logits_sampled_from, tiny
 
 
 def hf_model(kind: str, tok, eos, attention: str = "sdpa"):
@@ -54,11 +54,14 @@ def assert_same_sampling(ours: dict, theirs: dict, eos, tolerance: float) -> Non
 def test_the_gpt2_loop_over_the_static_cache_is_todays_loop_in_float64(greedy, temperature, keep):
     model, tok, enc, eos = tiny()
     model = model.double()
-    kwargs = settings(tok, eos, temperature=temperature, greedy=greedy, keep_logits_rows=keep)
-    today = seeded(sample_gpt2, model, enc.input_ids, enc.attention_mask, **kwargs)
-    static = seeded(sample_gpt2, model, enc.input_ids, enc.attention_mask, static=True, **kwargs)
+    kwargs = settings(tok, eos, temperature=temperature, greedy=greedy)
+    with logits_sampled_from(keep) as recorded_today:          # the logits each sampled from, first `keep` rows
+        today = seeded(sample_gpt2, model, enc.input_ids, enc.attention_mask, **kwargs)
+    with logits_sampled_from(keep) as recorded_static:
+        static = seeded(sample_gpt2, model, enc.input_ids, enc.attention_mask, static=True, **kwargs)
     assert_same_sampling(static, today, eos, 1e-12)
     if keep:
+        today["logits"], static["logits"] = kept_logits(recorded_today, today), kept_logits(recorded_static, static)
         assert static["logits"].shape == today["logits"].shape and static["logits"].shape[0] == keep
         assert (static["logits"] - today["logits"]).abs().max() < 1e-12
 
@@ -88,17 +91,19 @@ def test_the_static_cache_loops_stop_when_every_row_has_ended():
 @pytest.mark.parametrize("check_every", [3, 16])
 def test_asking_whether_every_row_has_ended_only_every_few_tokens_gives_the_same_completions(check_every):
     """On a GPU the graph-replayed loop asks every 16 tokens (sampling.end_check_every): the loop runs a few steps
-    past the last end, and cuts them off. Same tokens, log-probs, entropies, kept logits and length as asking at
-    every token; only the random stream has moved further (more draws)."""
+    past the last end, and cuts them off. Same tokens, log-probs, entropies, logits sampled from (the first 3 rows')
+    and length as asking at every token; only the random stream has moved further (more draws)."""
     model, tok, enc, _ = tiny()
     eos = list(range(10))
-    kwargs = settings(tok, eos, max_new_tokens=40, temperature=1.0, keep_logits_rows=3)
+    kwargs = settings(tok, eos, max_new_tokens=40, temperature=1.0)
     outs, streams = [], []
     for every in (1, check_every):
         loop = sampling.sampling_loop
-        sampling.sampling_loop = lambda *a, **k: loop(*a[:8], check_every=every)
+        sampling.sampling_loop = lambda *a, **k: loop(*a[:7], check_every=every)   # all but check_every
         try:
-            outs.append(seeded(sample_gpt2, model.double(), enc.input_ids, enc.attention_mask, **kwargs))
+            with logits_sampled_from(3) as recorded:
+                outs.append(seeded(sample_gpt2, model.double(), enc.input_ids, enc.attention_mask, **kwargs))
+            outs[-1]["logits"] = kept_logits(recorded, outs[-1])
         finally:
             sampling.sampling_loop = loop
         streams.append(torch.rand(1).item())

@@ -15,8 +15,11 @@ from tepokit.setup.model import build_char_tokenizer, build_tiny_model
 from tepokit.diagnostics.stats import accuracy_auc
 from tepokit.fast.step_settings import step_settings
 from tepokit.diagnostics.summary import accuracy_with_interval
+from tepokit.core.taps import UpdateTaps
+from tepokit.diagnostics.entropy_check import checked_rows
 from tepokit.tests.helpers import (F64, MICRO, assert_close, brute_force_pass_at_k, hand_batch, micro_run,
-                                   read_details, read_rows, run_main, start_process, without_timing)
+                                   old_policy_and_update, read_details, read_rows, run_main, start_process,
+                                   without_timing)
 
 
 def test_end_token_is_in_loss_mask_when_pad_equals_eos():
@@ -31,7 +34,9 @@ def test_end_token_is_in_loss_mask_when_pad_equals_eos():
 def test_the_samplers_logprobs_twin_equals_the_recomputed_old_logprobs():
     """Left padding (prompts of different lengths), pad == eos, temperature != 1: the sampler's log-probs
     and entropies equal a recomputation; with either as the old log-probs, the first mini-batch is
-    exactly on-policy and ends with the same old log-probs."""
+    exactly on-policy and ends with the same old log-probs. The entropy check's logits before the update (the
+    update's taps, tepokit/core/taps.py) are the rollout policy's forward on the checked rows, whichever the old
+    log-probs: the sampler's log-probs read from them agree with the sampler's own."""
     torch.manual_seed(0)
     args = ts.Args(n_layer=2, n_embd=32, n_head=2, temperature=0.7, max_new_tokens=10, mini_batches=2, group_size=2)
     tok = build_char_tokenizer(["abc 0123456789 Ann has a pen. How many?"])
@@ -40,27 +45,37 @@ def test_the_samplers_logprobs_twin_equals_the_recomputed_old_logprobs():
     base.generation_config = GenerationConfig(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     questions = ["Ann has 3 pens. How many?", "a?", "Ann has 12345 pens and 6789 more. How many?"]
     settings = step_settings(args, base.config)
-    batch = ts.generate_group(base, tok, questions, 2, args, torch.device("cpu"), want_logprobs=True,
-                              keep_logits_rows=settings.checked_rows)
+    batch = ts.generate_group(base, tok, questions, 2, args, torch.device("cpu"), want_logprobs=True)
     assert (batch.prompt_mask == 0).any()       # some rows really are left-padded
     adv = torch.randn(6)
     keep = torch.ones(6, dtype=torch.bool)
     plan = ts.minibatch_plan(keep, args, settings.rows_per_forward)
     sampler = {key: getattr(batch, key).clone() for key in ("sampling_logp", "sampling_entropy")}
+    c = checked_rows(args.entropy_check_rows, 6, args.max_new_tokens)
     results = {}
     for recompute in (True, False):
         run = micro_run(copy.deepcopy(base), tok, args, "grpo", recompute=recompute, beta=0.0)
-        old, _ = ts.rollout_statistics(run, batch, adv, plan)
-        metrics, old, _ = ts.update_policy(run, batch, old, adv, plan)
-        results[recompute] = old, metrics
-    (recomputed, m_recomputed), (sampled, m_sampled) = results[True], results[False]
+        taps = UpdateTaps(settings=run.settings, logits_rows=c)
+        metrics, seen, _, _ = old_policy_and_update(run, batch, adv, plan, observe=taps)
+        results[recompute] = seen, metrics, taps.logits_before, run.model
+    (recomputed, m_recomputed, before_r, model_r), (sampled, m_sampled, before_s, _) = results[True], results[False]
     mask = batch.completion_mask.bool()
     for key, values in sampler.items():          # the rollout's record stays the sampler's (not an alias of the
         assert torch.equal(getattr(batch, key), values)   # old log-probs, which the first mini-batch replaces)
     assert (batch.sampling_logp - recomputed.logp).abs()[mask].max().item() < 1e-5
     assert (batch.sampling_entropy - recomputed.entropy).abs()[mask].max().item() < 1e-5
-    before_update = (sampled.entropy_check_positions.before, recomputed.entropy_check_positions.before)
-    assert (before_update[0] - before_update[1]).abs().max().item() < 1e-4          # the entropy check's logits
+    # the entropy check's logits before the update: the rollout policy's forward over the first c rows, as the
+    # check's forward after the update makes them, on either path; the sampler drew from them (to rounding)
+    rows = torch.arange(c)
+    with torch.no_grad():
+        policy = torch.cat([ts.completion_logits(base, batch, r, settings.precision, settings.prompt_once)
+                            for r in rows.split(settings.rows_per_forward)])                      # [c, T, V]
+        after = ts.completion_logits(model_r, batch, rows, settings.precision, settings.prompt_once)
+    assert before_r.shape == before_s.shape == (c, batch.completion_ids.shape[1], policy.shape[-1])
+    assert torch.equal(before_r, policy) and torch.equal(before_s, policy)
+    assert (after - before_r).abs()[mask[:c]].max() > 1e-4                      # the update did move them
+    from_before = ts.token_logprobs(before_s, batch.completion_ids[:c], args.temperature)
+    assert (from_before - batch.sampling_logp[:c]).abs()[mask[:c]].max().item() < 1e-5
     # recomputed: the update's first mini-batch sees ratio exactly 1 (same rows, same forward) ...
     assert m_recomputed["logprobs/first_minibatch_max_abs_log_ratio"] == 0.0
     # ... sampled: it measures the sampler's distance from the forward, then takes the forward's own values
@@ -69,6 +84,42 @@ def test_the_samplers_logprobs_twin_equals_the_recomputed_old_logprobs():
     assert torch.equal(sampled.logp[first], recomputed.logp[first])
     assert m_sampled["on_policy"] == m_recomputed["on_policy"] == 0.5   # of two optimizer steps, the first
     assert m_sampled["loss"] == pytest.approx(m_recomputed["loss"], rel=1e-4, abs=1e-7)
+
+
+def test_the_entropy_check_compares_the_taps_logits_before_the_update_with_a_forward_after_it():
+    """The entropy check (tepokit/diagnostics/entropy_check.py) from the update's taps: logits_before is the rollout
+    policy's forward over the first c rows before the first optimizer step; entropy_check's numbers are
+    tepo.entropy_change_prediction's at the valid positions of those rows between it and a forward after the update
+    (float64, to 1e-12), and its measured change is H(after) - H(before) there."""
+    from tepokit.diagnostics.entropy_check import entropy_check
+    from tepokit.diagnostics.stats import pearson
+    base = float64_gpt2(vocab=23)
+    batch = hand_batch(23, rows=16, prompt=5, completion=6)
+    adv = torch.randn(16, dtype=F64, generator=torch.Generator().manual_seed(4))
+    args = ts.Args(group_size=4, prompts_per_step=4, mini_batches=2, micro_batch_size=4, max_new_tokens=6,
+                   temperature=0.9, entropy_check_rows=6)
+    run = micro_run(copy.deepcopy(base), None, args, "grpo", beta=0.0)
+    run.optimizer = torch.optim.SGD(run.model.parameters(), lr=0.5)
+    plan = ts.minibatch_plan(torch.ones(16, dtype=torch.bool), args, run.settings.rows_per_forward)
+    c = checked_rows(args.entropy_check_rows, 16, args.max_new_tokens)
+    taps = UpdateTaps(settings=run.settings, logits_rows=c)
+    old_policy_and_update(run, batch, adv, plan, observe=taps)
+    rows, settings = torch.arange(c), run.settings
+    with torch.no_grad():
+        before = ts.completion_logits(base, batch, rows, settings.precision, settings.prompt_once)       # [c, T, V]
+        after = ts.completion_logits(run.model, batch, rows, settings.precision, settings.prompt_once)
+    assert c == 6 and taps.logits_before.dtype == F64
+    assert_close(taps.logits_before, before, atol=1e-12, rtol=0)
+    valid = batch.completion_mask[:c].bool()
+    predicted, measured = tepo.entropy_change_prediction(before[valid], after[valid], args.temperature)   # [n] each
+    assert_close(measured, tepo.entropy_from_logits(after[valid], args.temperature)
+                 - tepo.entropy_from_logits(before[valid], args.temperature), atol=1e-12)
+    assert measured.abs().max() > 1e-4                                             # the update did change them
+    check = entropy_check(run.model, batch, taps.logits_before, settings)
+    assert check["entropy_change/predicted"] == pytest.approx(predicted.mean().item(), rel=1e-9, abs=1e-12)
+    assert check["entropy_change/measured"] == pytest.approx(measured.mean().item(), rel=1e-9, abs=1e-12)
+    assert check["entropy_change/position_corr"] == pytest.approx(pearson(predicted.tolist(), measured.tolist()),
+                                                                  rel=1e-9)
 
 
 EPOCH_QUESTIONS = ["Ann has 3 pens. How many?", "a?", "Bob has 12 cups and 7 more. How many cups?", "Cal: 5 - 2?",
@@ -116,9 +167,8 @@ def test_the_fast_twins_make_the_plain_paths_update_over_epochs_and_micro_batche
         run = micro_run(model, tok, dataclasses.replace(args, fast=not recompute), objective, recompute=recompute,
                         **overrides)
         run.optimizer = torch.optim.SGD(model.parameters(), lr=0.5)   # a step proportional to the gradient
-        old, _ = ts.rollout_statistics(run, batch, adv, plan, check_entropy=False)
-        metrics, old, _ = ts.update_policy(run, batch, old, adv, plan)
-        results[recompute] = torch.cat([p.detach().flatten() for p in model.parameters()]), metrics, old
+        metrics, seen, _, _ = old_policy_and_update(run, batch, adv, plan)
+        results[recompute] = torch.cat([p.detach().flatten() for p in model.parameters()]), metrics, seen
     (p_recomputed, m_recomputed, recomputed), (p_sampled, m_sampled, sampled) = results[True], results[False]
     start = torch.cat([p.flatten() for p in base.parameters()])
     assert (p_recomputed - start).abs().max() > 0.05                              # the 8 steps did move it
@@ -231,9 +281,8 @@ def test_micro_batches_accumulate_to_the_same_optimizer_steps(objective, overrid
         torch.manual_seed(1)
         plan = ts.minibatch_plan(keep, args, run.settings.rows_per_forward)
         assert [len(mb) for mb in plan] == ([1, 1] if micro == 0 else [4, 4])
-        old, _ = ts.rollout_statistics(run, batch, adv, plan)
-        metrics, old, _ = ts.update_policy(run, batch, old, adv, plan)
-        results.append((torch.cat([p.detach().flatten() for p in model.parameters()]), metrics, old))
+        metrics, seen, _, _ = old_policy_and_update(run, batch, adv, plan)
+        results.append((torch.cat([p.detach().flatten() for p in model.parameters()]), metrics, seen))
     (p0, m0, s0), (p2, m2, s2) = results
     assert_close(p2, p0, atol=1e-6, rtol=0)
     assert (p2 - torch.cat([p.flatten() for p in base.parameters()])).abs().max() > 1e-4   # it did move
@@ -356,10 +405,10 @@ def test_entropy_coef_adds_the_bonus_to_the_objectives_loss_and_gradient(objecti
     for coef in (0.0, 0.7):
         run = micro_run(model, None, args, objective, entropy_coef=coef, **overrides)
         plan = ts.minibatch_plan(torch.ones(8, dtype=torch.bool), args, run.settings.rows_per_forward)
-        old, _ = ts.rollout_statistics(run, batch, adv, plan)
+        old = ts.old_policy(run, batch, plan)
         counts = dict(num_tokens=batch.completion_mask.sum().item(), num_seqs=8.0)
         model.zero_grad(set_to_none=True)
-        loss, _, _, _ = ts.micro_batch_loss(run, batch, old.logp, old.entropy, old.ref_logp, adv, rows, counts)
+        loss, _, _, _ = ts.micro_batch_loss(run, batch, old, adv, rows, counts)
         loss.backward()
         losses.append(loss.detach())
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
