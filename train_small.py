@@ -54,7 +54,7 @@ import torch
 
 import tepo
 from tepokit.cli import resume
-from tepokit.core.clock import PhaseClock, peak_memory_mb, process_memory_mb, reset_peak_memory
+from tepokit.core.clock import PhaseClock
 from tepokit.core.forward import autocast, completion_logits, eos_ids_of, token_entropy, token_logprobs
 from tepokit.core.metrics import combine_micro_batches
 from tepokit.core.reward import format_prompt, gold_answer, score_completions
@@ -67,6 +67,7 @@ from tepokit.fast.step_settings import StepSettings, step_settings
 from tepokit.plumbing import rundir
 from tepokit.plumbing.errors import fail
 from tepokit.plumbing.non_finite import check_finite, stops_on_divergence
+from tepokit.plumbing.peak_memory import peak_memory_mb, process_memory_mb, reset_peak_memory
 from tepokit.plumbing.report import Trackers, trackers_of
 from tepokit.plumbing.signals import StopSignals, stopped_after
 from tepokit.setup.model import load_policy, pick_device, prepare_start_model
@@ -280,8 +281,7 @@ class Run:
 
 @dataclass
 class OldPolicy:
-    """The rollout (old) policy's view of a rollout: what the ratios and the KL terms of the update compare
-    with. B rows of T completion positions; 0 after a row's end."""
+    """The rollout (old) policy's view of the rollout, which the update's ratios and KL terms compare with."""
     logp: torch.Tensor                  # [B, T] log pi_old of each sampled token
     entropy: torch.Tensor               # [B, T] entropy of pi_old at each position (TEPO's measured criterion)
     ref_logp: torch.Tensor | None       # [B, T] the reference model's log-probs, when the objective needs them

@@ -4,22 +4,9 @@ log-probs and entropy, and the bf16 noise floor."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 import tepo
-
-
-def rows_per_minibatch(prompts_per_step: int, mini_batches: int, group_size: int) -> int:
-    """Rows of one (nominal) mini-batch: ceil(P / M) whole groups of G rows (mini-batches hold whole groups);
-    no mini-batch exceeds it (fewer groups when DAPO's filter dropped some)."""
-    return math.ceil(prompts_per_step / mini_batches) * group_size
-
-
-def rows_per_forward(micro_batch_size: int, prompts_per_step: int, mini_batches: int, group_size: int) -> int:
-    """Rows in one forward pass at most: --micro-batch-size, or a whole mini-batch when it is 0."""
-    return micro_batch_size or rows_per_minibatch(prompts_per_step, mini_batches, group_size)
 
 
 def autocast(device, precision: str):

@@ -1,21 +1,14 @@
-"""The one place where measurement looks inside the RL step's update (train_small.py, update_policy).
-
-Before each optimizer step, once its mini-batch's gradient is accumulated and before it is clipped, the update
-calls its observer: observe(i, n, batch, micro_batches, model) for optimizer step i of n of the rollout `batch`. UpdateTaps is that observer.
-What it keeps is asked for before the step by the measurements that need it (tepokit/diagnostics/after_step.py,
-step_taps), and they read it after the step:
-
-  logits_rows   the policy's logits over the rollout's first rows, before the first optimizer step: the entropy
-                check compares them with the logits after the update                     logits_before [c, T, V]
-  parameters    a copy of the parameters before the step's LAST optimizer step: the mechanisms' effects are
-                taken there (its parameters, its mini-batch, its old log-probs)                  parameters, at
-  entropies     each optimizer step's token entropies over its mini-batch, when the objective did not compute
-                them (where TEPO's KL mask would fall under the `measured` criterion: details.jsonl)
-                                                     entropies: per optimizer step, per micro-batch [b, T]
-
-The update computes nothing for them: its forwards, losses and optimizer steps are the same with the taps or
-without. The taps run their own forwards without gradient, leave the parameters' .grad as it is, and draw no
-random number."""
+"""The one place where measurement looks inside the RL step's update (train_small.py, update_policy): before each
+optimizer step, its gradient accumulated and not yet clipped, the update calls observe(i, n, batch, micro_batches,
+model) for optimizer step i of n. UpdateTaps is that observer. The measurements ask for what they need before the
+step (tepokit/diagnostics/after_step.py, step_taps) and read it after it:
+  logits_rows  logits_before [c, T, V]: the logits of the rollout's first c rows before the first optimizer step
+               (the entropy check compares them with the logits after the update)
+  parameters   kept_parameters, at: a copy of the parameters before the LAST optimizer step (the mechanisms'
+               effects are taken there: its parameters, its mini-batch, its old log-probs)
+  entropies    kept_entropies: each optimizer step's entropies [b, T] per micro-batch (TEPO's details.jsonl)
+The update is the same with the taps or without: they run their own forwards without gradient, leave .grad as it
+is, and draw no random number."""
 
 from __future__ import annotations
 

@@ -109,7 +109,8 @@ def rollout_statistics(model, record, settings) -> dict:
            "cov/logp_adv": tepo.masked_mean(covariance, mask).item(),
            **precision_noise_floor(model, batch, first_rows, settings)}
     if settings.recompute and batch.sampling_logp is not None:    # how far the sampler's were from the recomputed
-        row["logprobs/sampling_vs_recomputed_max_abs"] = (batch.sampling_logp - old.logp).abs()[mask.bool()].max().item()
+        gap = (batch.sampling_logp - old.logp).abs()[mask.bool()]
+        row["logprobs/sampling_vs_recomputed_max_abs"] = gap.max().item()
     if record.loss_saw:            # the update's first forward against the old log-probs it was given
         rows, logp, _ = record.loss_saw[0][0]
         gap = (logp - old.logp[rows.to(mask.device)]).abs()[mask[rows.to(mask.device)].bool()]

@@ -175,7 +175,7 @@ def print_summary(summary: dict, rows: list[dict], args, wall: float) -> None:
                    "--seeds 3")
         notebook = "entropy_collapse"
     rows_out += [("files", f"{run_dir}/ (metrics.jsonl, summary.json, checkpoint.pt, policy/)"),
-                 ("next", f"python -m tepokit.tools.plot {run_dir}   # the run's figures, as PNG files in its figures/"),
+                 ("next", f"python -m tepokit.tools.plot {run_dir}   # the run's figures, as PNG files in figures/"),
                  ("", f"python train_small.py {compare}   # two objectives, paired by seed"),
                  ("", f"jupyter lab notebooks/   # entropy_covariance.ipynb first (the derivation), then "
                       f"{notebook}.ipynb with RUN_DIR = \"{run_dir}\"")]

@@ -37,12 +37,6 @@ def warn_once(message: str) -> None:
         warn(message)
 
 
-def static_generation(fast: bool, cuda_graphs: str, device_type: str) -> bool:
-    """Does the run generate over a static KV cache (and capture its decode step on a GPU)? From --fast (never
-    with --no-fast), --cuda-graphs (on, off, auto) and the run's device type (auto: on CUDA only)."""
-    return fast and (cuda_graphs == "on" or (cuda_graphs == "auto" and device_type == "cuda"))
-
-
 def static_decoder(decode, rows: int, device, capture: bool, reset=lambda: None):
     """decode(token_in [B] long, t_in [] long) -> logits [B, V]: one decode step whose shapes do not change from
     step to step. Returns decode_next(token [B], t: int) -> logits [B, V]: the step fed through tensors it

@@ -5,10 +5,54 @@ none takes the whole Args."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from tepokit.core.forward import rows_per_forward
-from tepokit.fast.sampling import recompute_old_logprobs, sampler_logprobs_wanted, stacked_logits_bytes, uses_loop
+from tepokit.fast.sampling import uses_loop
+
+
+# generate's log-probs need the logits of every step stacked, [B, T, V] float32: never more than this.
+STACKED_LOGITS_MAX_BYTES = 2**30
+
+
+def stacked_logits_bytes(rollout_rows: int, max_new_tokens: int, vocab_size: int, loop: bool) -> int:
+    """Bytes of generate's stacked logits [B, T, V] float32 for one rollout of B rows; 0 with the loop (loop:
+    uses_loop), which stacks none."""
+    if loop:
+        return 0
+    return rollout_rows * max_new_tokens * vocab_size * 4
+
+
+def recompute_old_logprobs(fast: bool, asked: bool | None, precision: str, loop: bool) -> bool:
+    """Are the old log-probs recomputed by a forward pass after the rollout (the plain path), rather than the
+    sampler's (their fast twin)? Always with --no-fast; else as asked (--recompute-old-logprobs); unset: yes in bf16
+    (the sampler's and the training forward's log-probs then differ by bf16's rounding, as much as an update
+    changes them) and with generate (its log-probs need the logits of every step, [B, T, V], which grow with the
+    rollout); no with the loop (loop: uses_loop) in fp32, whose log-probs cost nothing."""
+    if not fast:
+        return True
+    if asked is not None:
+        return asked
+    return precision == "bf16" or not loop
+
+
+def sampler_logprobs_wanted(fast: bool, recompute: bool, check_sampling_logprobs: bool, stacked_bytes: int) -> bool:
+    """Must the sampler give log-probs and entropies? When they are the old ones (not recompute), or for the
+    sampling check (--check-sampling-logprobs: sampled against recomputed) when they are cheap: when the logits
+    it stacks for them (stacked_bytes, stacked_logits_bytes) are within STACKED_LOGITS_MAX_BYTES; never with
+    --no-fast (the plain path's model.generate gives tokens only)."""
+    return fast and (not recompute or (check_sampling_logprobs and stacked_bytes <= STACKED_LOGITS_MAX_BYTES))
+
+
+def rows_per_minibatch(prompts_per_step: int, mini_batches: int, group_size: int) -> int:
+    """Rows of one (nominal) mini-batch: ceil(P / M) whole groups of G rows (mini-batches hold whole groups);
+    no mini-batch exceeds it (fewer groups when DAPO's filter dropped some)."""
+    return math.ceil(prompts_per_step / mini_batches) * group_size
+
+
+def rows_per_forward(micro_batch_size: int, prompts_per_step: int, mini_batches: int, group_size: int) -> int:
+    """Rows in one forward pass at most: --micro-batch-size, or a whole mini-batch when it is 0."""
+    return micro_batch_size or rows_per_minibatch(prompts_per_step, mini_batches, group_size)
 
 
 @dataclass(frozen=True)

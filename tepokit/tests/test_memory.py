@@ -12,7 +12,7 @@ import train_small as ts
 import tepokit.tools.memory
 from tepokit.cli.flags import parse_args
 from tepokit.tools.memory import PHASES, check_memory
-from tepokit.core.clock import peak_memory_mb, reset_peak_memory
+from tepokit.plumbing.peak_memory import peak_memory_mb, reset_peak_memory
 from tepokit.setup.task import load_task
 from tepokit.core.reward import format_prompt
 from tepokit.tests.helpers import SCRIPT, MICRO, run_main, read_rows

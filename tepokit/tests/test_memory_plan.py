@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 import tepo
 import train_small as ts
 from tepokit.core import clock
-from tepokit.fast import sampling
+from tepokit.fast import shared_prefix
 from tepokit.cli.flags import objective_config, parse_args
 from tepokit.tools.memory import PHASES, memory_plan, model_config_for_plan
 from tepokit.setup.model import END, build_char_tokenizer, use_fused_gelu
@@ -241,7 +241,7 @@ def test_the_gpt2_loop_decodes_beside_the_prompts_keys_and_values_not_their_forw
     weights = counter.live
     static = cuda_graphs == "on"
     with counter:                      # no end token: every row runs to 192 tokens
-        out = sampling.sample_gpt2(model, prompt_ids, prompt_mask, 1, 192, 1.0, [], 0, greedy=True, static=static,
+        out = shared_prefix.sample_gpt2(model, prompt_ids, prompt_mask, 1, 192, 1.0, [], 0, greedy=True, static=static,
                                    capture=static)
     assert out["completion_ids"].shape == (16, 192)
     ratio = (1 + 0.05) * plan["totals"]["evaluation"] / (counter.peak - weights)

@@ -10,13 +10,15 @@ from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, Qwen2Con
 
 import tepo
 import train_small as ts
-from tepokit.fast import sampling
-from tepokit.fast.cuda_graph import static_generation
+from tepokit.fast import generate, shared_prefix
+from tepokit.fast.sampling import static_generation
 from tepokit.core.forward import completion_logits
 from tepokit.setup.model import (START_MODEL_DIR, build_char_tokenizer, build_tiny_model, load_policy, tiny_model_config,
                            use_fused_gelu)
-from tepokit.fast.sampling import (STACKED_LOGITS_MAX_BYTES, recompute_old_logprobs, sample_generate, sample_gpt2,
-                              sampler_logprobs_wanted, stacked_logits_bytes, uses_loop)
+from tepokit.fast.sampling import uses_loop
+from tepokit.fast.step_settings import STACKED_LOGITS_MAX_BYTES, recompute_old_logprobs, sampler_logprobs_wanted, stacked_logits_bytes
+from tepokit.fast.generate import sample_generate
+from tepokit.fast.shared_prefix import sample_gpt2
 from tepokit.fast.step_settings import step_settings
 from tepokit.setup.task import make_arithmetic_task
 
@@ -38,21 +40,21 @@ def tiny(eos_ids=None, seed=0, n_layer=2, **args):
 
 @contextlib.contextmanager
 def logits_sampled_from(rows: int):
-    """The logits [B, V] each sampling step read its log-probs and entropies from (sampling.logprob_and_entropy,
+    """The logits [B, V] each sampling step read its log-probs and entropies from (logprob_and_entropy,
     which the loop's sample_step and generate's stacked logits both go through), of the first `rows` rows, copied:
     yields a list that holds them afterwards as [rows, steps, V] (steps: the loop may run a few past the end;
     kept_logits cuts them to the completions' length). The samplers no longer keep logits themselves (the
     entropy check's come from the update's taps, tepokit/core/taps.py)."""
-    steps, out, own = [], [], sampling.logprob_and_entropy
+    steps, out, own = [], [], shared_prefix.logprob_and_entropy
 
     def recording(logits, token, temperature):
         steps.append(logits[:rows].detach().clone())
         return own(logits, token, temperature)
-    sampling.logprob_and_entropy = recording
+    shared_prefix.logprob_and_entropy = generate.logprob_and_entropy = recording   # the loop's and generate's
     try:
         yield out
     finally:
-        sampling.logprob_and_entropy = own
+        shared_prefix.logprob_and_entropy = generate.logprob_and_entropy = own
         out.append(torch.stack(steps, 1) if steps else None)
 
 

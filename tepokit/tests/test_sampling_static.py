@@ -12,9 +12,12 @@ from transformers import GenerationConfig, LlamaConfig, Qwen2Config
 
 import train_small as ts
 from tepokit.fast import cuda_graph
-from tepokit.fast import sampling
-from tepokit.fast.cuda_graph import static_decoder, static_generation
-from tepokit.fast.sampling import sample, sample_generate, sample_gpt2, sample_static_cache, static_cache_problem
+from tepokit.fast import shared_prefix
+from tepokit.fast.cuda_graph import static_decoder
+from tepokit.fast.sampling import static_generation
+from tepokit.fast.sampling import sample
+from tepokit.fast.generate import sample_generate, sample_static_cache, static_cache_problem
+from tepokit.fast.shared_prefix import sample_gpt2
 from tepokit.tests.test_sampling import kept_logits, logits_sampled_from, tiny
 
 
@@ -90,7 +93,7 @@ def test_the_static_cache_loops_stop_when_every_row_has_ended():
 
 @pytest.mark.parametrize("check_every", [3, 16])
 def test_asking_whether_every_row_has_ended_only_every_few_tokens_gives_the_same_completions(check_every):
-    """On a GPU the graph-replayed loop asks every 16 tokens (sampling.end_check_every): the loop runs a few steps
+    """On a GPU the graph-replayed loop asks every 16 tokens (shared_prefix.end_check_every): the loop runs a few steps
     past the last end, and cuts them off. Same tokens, log-probs, entropies, logits sampled from (the first 3 rows')
     and length as asking at every token; only the random stream has moved further (more draws)."""
     model, tok, enc, _ = tiny()
@@ -98,22 +101,22 @@ def test_asking_whether_every_row_has_ended_only_every_few_tokens_gives_the_same
     kwargs = settings(tok, eos, max_new_tokens=40, temperature=1.0)
     outs, streams = [], []
     for every in (1, check_every):
-        loop = sampling.sampling_loop
-        sampling.sampling_loop = lambda *a, **k: loop(*a[:7], check_every=every)   # all but check_every
+        loop = shared_prefix.sampling_loop
+        shared_prefix.sampling_loop = lambda *a, **k: loop(*a[:7], check_every=every)   # all but check_every
         try:
             with logits_sampled_from(3) as recorded:
                 outs.append(seeded(sample_gpt2, model.double(), enc.input_ids, enc.attention_mask, **kwargs))
             outs[-1]["logits"] = kept_logits(recorded, outs[-1])
         finally:
-            sampling.sampling_loop = loop
+            shared_prefix.sampling_loop = loop
         streams.append(torch.rand(1).item())
     assert outs[0]["completion_ids"].shape[1] < 40                                  # every row ended early
     assert_same_sampling(outs[1], outs[0], eos, 1e-15)
     assert torch.equal(outs[1]["logits"], outs[0]["logits"])
     assert streams[0] != streams[1]                                                 # the extra steps drew
-    assert sampling.end_check_every(True, torch.device("cuda")) == 16
-    assert sampling.end_check_every(True, torch.device("cpu")) == 1
-    assert sampling.end_check_every(False, torch.device("cuda")) == 1
+    assert shared_prefix.end_check_every(True, torch.device("cuda")) == 16
+    assert shared_prefix.end_check_every(True, torch.device("cpu")) == 1
+    assert shared_prefix.end_check_every(False, torch.device("cuda")) == 1
 
 
 @pytest.mark.parametrize("kind, attention", [("qwen2", "sdpa"), ("qwen2", "eager"), ("llama", "sdpa")])

@@ -21,8 +21,9 @@ from tepokit.core.forward import LOGITS_CHUNK_BYTES
 from tepokit.plumbing.hub import cannot_load, use_offline_hub_if_unreachable
 from tepokit.setup.model import builtin_tokenizer, pick_device, tiny_model_config
 from tepokit.plumbing.rundir import read_log, write_json
-from tepokit.fast.cuda_graph import static_generation
-from tepokit.fast.sampling import STATIC_CACHE_MODEL_TYPES, uses_loop
+from tepokit.fast.sampling import static_generation
+from tepokit.fast.sampling import uses_loop
+from tepokit.fast.generate import STATIC_CACHE_MODEL_TYPES
 from tepokit.fast.step_settings import step_settings
 from tepokit.setup.task import load_task
 from tepokit.core.reward import format_prompt
