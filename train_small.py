@@ -374,7 +374,7 @@ def old_policy(run: Run, batch: Rollout, plan: list) -> OldPolicy:
     (the rows its optimizer steps will see), so the first of them is exactly on-policy whatever the kernels: same
     rows, same shapes, same arithmetic. Rows no optimizer step sees (dropped by DAPO's filter) are still needed
     for the rollout's entropy. Their fast twin (--fast, in fp32 with the loop sampler; recompute_old_logprobs in
-    tepokit/fast/sampling.py says when) takes the sampler's, computed from the logits that chose each token: no
+    tepokit/fast/step_settings.py says when) takes the sampler's, computed from the logits that chose each token: no
     forward pass.
     """
     settings, B = run.settings, batch.completion_ids.shape[0]

@@ -234,7 +234,6 @@ def check_same_run(run_dir: str, identity: dict) -> None:
              f"with (was the data set or the start model changed?); {CANNOT_RESUME}")
 
 
-
 def check_log(path: str, first_step: int, checkpoint_step: int) -> int:
     """A log --resume can continue: every row a JSON object with an integer step, the steps first_step,
     first_step + 1, ... with no gap and no repeat, up to at least the checkpoint's step. Returns how many

@@ -255,7 +255,6 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-
 def field_kind(f: dataclasses.Field) -> tuple[str, bool]:
     """(bool | int | float | str, whether None is allowed) of a dataclass field."""
     text = str(f.type)

@@ -52,5 +52,3 @@ class PhaseClock:
         flops = {f"flops/{k}": v for k, v in self.counted.items()} if self.flop_counter is not None else {}
         return {**{f"timing/{k}": v for k, v in self.seconds.items()}, "step_time": self.total(), **flops,
                 **{f"memory/peak_mb/{k}": v for k, v in self.peaks.items()}}
-
-

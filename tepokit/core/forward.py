@@ -38,14 +38,14 @@ def completion_logits(model, batch, rows, precision: str, prompt_once: bool) -> 
 
 
 def completion_logits_prompt_once(model, batch, rows, precision: str) -> torch.Tensor:
-    """completion_logits' twin (--fast): the same logits, reading each prompt once per group.         [b, T, V]
+    """completion_logits' twin (--fast): the same logits, reading each prompt once per group. [b, T, V]
 
-    The G completions of a prompt share it: each distinct prompt of the rows goes through the model
-    once, and every row's completion attends to its prompt's keys and values (a copy per row, through
-    which the gradient flows back to the prompt's forward). The same logits and gradient as one forward
-    of prompt + completion per row (to rounding, tested in float64: tepokit/tests/test_forward.py), for a
-    fraction of the work: the built-in task's prompts are ~65 tokens, its completions ~16. Not with gradient
-    checkpointing, under which transformers keeps no keys and values.
+    The G completions of a prompt share it: each distinct prompt of the rows goes through the model once, and every
+    row's completion attends to its prompt's keys and values (a copy per row, through which the gradient flows back
+    to the prompt's forward). The same logits and gradient as one forward of prompt + completion per row (to
+    rounding, tested in float64: tepokit/tests/test_forward.py), for a fraction of the work: the built-in task's
+    prompts are ~65 tokens, its completions ~16. Not with gradient checkpointing, under which transformers keeps no
+    keys and values.
     """
     rows = rows.to(batch.prompt_ids.device)
     prompt_ids, prompt_mask = batch.prompt_ids[rows], batch.prompt_mask[rows]                  # [b, P]
@@ -68,12 +68,11 @@ def completion_logits_prompt_once(model, batch, rows, precision: str) -> torch.T
 
 
 def copy_rows(cache, which: torch.Tensor) -> None:
-    """cache.batch_select_indices(which), with a backward that repeats: row b gets its prompt's keys and
-    values, which[b]. transformers selects with `keys[which]`, whose backward adds the rows' gradients into
-    each prompt's with atomic additions on the CPU, in an order that depends on thread timing: two runs of
-    one command then differed in the last bits of the gradient from the first step on. index_select's
-    backward (index_add_) adds them in row order. Cache layers with more state than keys and values keep
-    transformers' selection."""
+    """cache.batch_select_indices(which), with a backward that repeats: row b gets its prompt's keys and values,
+    which[b]. transformers selects with `keys[which]`, whose backward adds the rows' gradients into each prompt's
+    with atomic additions on the CPU, in an order that depends on thread timing: two runs of one command then
+    differed in the last bits of the gradient from the first step on. index_select's backward (index_add_) adds them
+    in row order. Cache layers with more state than keys and values keep transformers' selection."""
     from transformers.cache_utils import DynamicLayer
     for layer in cache.layers:
         if type(layer).batch_select_indices is DynamicLayer.batch_select_indices and layer.keys is not None:

@@ -19,14 +19,8 @@ def format_prompt(question: str) -> str:
 # decimals ("3.50"), or decimals alone (".5"). Nothing else is a number: not a fraction ("3/4"), an exponent
 # ("1e3") or a decimal comma ("2,5").
 NUMBER = r"-?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)"
-
-
-STRICT_ANSWER = re.compile(r"####\s*(" + NUMBER + r")\s*$")
-
-
-ONE_NUMBER = re.compile(r"\s*(" + NUMBER + r")\s*")
-
-
+STRICT_ANSWER = re.compile(r"####\s*(" + NUMBER + r")\s*$")      # the number after a final `####`
+ONE_NUMBER = re.compile(r"\s*(" + NUMBER + r")\s*")              # exactly one number
 ANY_NUMBER = re.compile(NUMBER)
 
 

@@ -105,5 +105,3 @@ def student_t_central(t: float, dof: int) -> float:
         series += term
         term *= (2 * j + 1) / (2 * j + 2) * cos2
     return sin * series
-
-

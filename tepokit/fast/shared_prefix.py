@@ -1,8 +1,6 @@
 """The shared-prefix sampler for GPT-2-shaped models (sample_gpt2), and the sampling loop every fast sampler runs
-(sampling_loop: one fused step per token samples it and keeps its log-prob and entropy). Each prompt is read once
-for its whole group and its keys and values are kept once for the group, not copied G times. With the same random
-stream it draws the same tokens as transformers' `generate` (tepokit/tests/test_sampling.py): it replaces
-generate's general machinery, not its sampling (plain softmax(z / T), no top-k, no top-p)."""
+(sampling_loop). With the same random stream it draws the same tokens as transformers' `generate` (test_sampling.py):
+it replaces generate's general machinery, not its sampling (plain softmax(z / T), no top-k, no top-p)."""
 
 from __future__ import annotations
 
@@ -14,9 +12,8 @@ from tepokit.fast.cuda_graph import static_decoder
 
 
 def logprob_and_entropy(logits: torch.Tensor, token: torch.Tensor, temperature: float) -> tuple:
-    """log p(token) and the entropy of one position at temperature T, from its logits [B, V] and the
-    token [B]: each [B], in the model's precision if finer than float32 (float64 in the tests).
-    tepo.token_logprobs_from_logits and tepo.entropy_from_logits in one pass over the logits."""
+    """log p(token) and the entropy of one position at temperature T, from its logits [B, V] and the token [B]: each
+    [B], in float32 or finer. The sampler's fused twin of tepo.token_logprobs_from_logits and entropy_from_logits."""
     logp_all = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, -1)
     return logp_all.gather(1, token[:, None]).squeeze(1), tepo.entropy_from_logprobs(logp_all)
 
@@ -34,29 +31,27 @@ def sample_step(logits: torch.Tensor, temperature: float, greedy: bool) -> tuple
 def sample_gpt2(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens: int, temperature: float,
                 eos_ids: list[int], pad_id: int, greedy: bool = False, static: bool = False,
                 capture: bool = False) -> dict:
-    """G completions for each of U left-padded prompts (prompt_ids, prompt_mask [U, P]); rows
-    u*G .. u*G+G-1 are prompt u's group. Returns completion_ids [B, T] (B = U*G; after its end
-    token a row holds pad_id, as generate pads it), logp and entropy [B, T] at temperature T (0
-    after the end).
-    T is the longest completion: the loop stops when every row has ended.
+    """G completions for each of U left-padded prompts (prompt_ids, prompt_mask [U, P]); rows u*G .. u*G+G-1 are prompt
+    u's group. Returns completion_ids [B, T] (B = U*G; after its end token a row holds pad_id, as generate pads it),
+    logp and entropy [B, T] at temperature T (0 after the end). T is the longest completion: the loop stops when
+    every row has ended.
 
-    The method. The prompts go through the model once each (not once per row), and their keys and
-    values are kept once per prompt: prompt_keys[layer] [U*H, P, d/H]. Each row's own keys and values,
-    those of its completion so far, go into a preallocated buffer [L, 2, U, H, G, T, d/H]. A new token's
-    query attends to both parts: its scores against its prompt's keys are computed for the whole group
-    at once (the G queries of a group against the one copy of the prompt: a [G, d/H] x [d/H, P] product
-    per prompt and head), its scores against its own completion's keys per row, and one softmax over the
-    two parts together gives the same weights as one softmax over the row's whole sequence. Decoding is
-    memory-bound (every new token reads the whole cache); reading each prompt's keys and values once per
-    group instead of once per row reads about G times less of the prompt, and keeps G times less of it.
-    Prompt padding is masked with -inf in a float mask made once; a row's completion positions up to
-    the current one are all valid (a row that has ended keeps sampling, its tokens replaced by pad_id,
-    as generate does), so they need no mask.
+    The method. The prompts go through the model once each (not once per row), and their keys and values are kept
+    once per prompt: prompt_keys[layer] [U*H, P, d/H]. Each row's own keys and values, those of its completion so
+    far, go into a preallocated buffer [L, 2, U, H, G, T, d/H]. A new token's query attends to both parts: its
+    scores against its prompt's keys are computed for the whole group at once (the G queries of a group against the
+    one copy of the prompt: a [G, d/H] x [d/H, P] product per prompt and head), its scores against its own
+    completion's keys per row, and one softmax over the two parts together gives the same weights as one softmax
+    over the row's whole sequence. Decoding is memory-bound (every new token reads the whole cache); reading each
+    prompt's keys and values once per group instead of once per row reads about G times less of the prompt, and
+    keeps G times less of it. Prompt padding is masked with -inf in a float mask made once; a row's completion
+    positions up to the current one are all valid (a row that has ended keeps sampling, its tokens replaced by
+    pad_id, as generate does), so they need no mask.
 
     static (--cuda-graphs, tepokit/fast/cuda_graph.py): every step attends over all T positions of the buffer
-    (zeroed, so that no position holds a NaN), the ones after the current one masked with -inf, so that the
-    step's shapes never change and it can be captured as a CUDA graph (capture: on a GPU). The same
-    softmax weights: the masked positions weigh exactly 0.
+    (zeroed, so that no position holds a NaN), the ones after the current one masked with -inf, so that the step's
+    shapes never change and it can be captured as a CUDA graph (capture: on a GPU). The same softmax weights: the
+    masked positions weigh exactly 0.
     """
     tr, cfg, G = model.transformer, model.config, group_size
     L, H, d = cfg.n_layer, cfg.n_head, cfg.n_embd

@@ -40,11 +40,13 @@ from tepokit.core.reward import format_prompt
 #                  generate's stacked logits [B, T, V] when its log-probs are wanted
 #   evaluation     greedy decoding of a rollout's worth of rows, one row per prompt
 #   old log-probs  no-grad forwards of one micro-batch: the reference model's, the policy's (recomputed
-#                  old log-probs) and, in bf16, the fp32 forward of precision_noise_floor, beside what the
-#                  rollout holds for the entropy check (the sampler's logits of the checked rows)
+#                  old log-probs)
 #   update         one micro-batch's forward and backward (activations, logits, their gradient, the lm_head
-#                  weight's gradient), then Adam's foreach step
-#   entropy check  the logits before and after the update at the checked positions, and one forward
+#                  weight's gradient), the taps' no-grad forward (tepokit/core/taps.py: the entropy check's
+#                  logits before the update, [c, T, V], held from the first optimizer step on; TEPO's entropies),
+#                  then Adam's foreach step
+#   entropy check  after the update: in bf16 the noise floor (one micro-batch's log-probs in bf16 and fp32), then
+#                  the logits before and after the update on the checked rows, and one forward
 # Under bf16 autocast every phase that runs a forward keeps bf16 copies of the weights (2 bytes per
 # parameter) from the forward through its backward. On the CPU the plan counts what the run adds to the
 # process, not the ~0.5 GB that torch and transformers take. tepokit/tests/test_memory_plan.py holds it
