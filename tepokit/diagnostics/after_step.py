@@ -51,6 +51,11 @@ def measure_step(run, step: int, record, taps: UpdateTaps) -> tuple[dict, dict |
     run it reads its model, tokenizer, objective config and StepSettings (run.settings)."""
     settings, batch, plan, G = run.settings, record.batch, record.plan, run.args.group_size
     problems, seen = record.problems, record.seen
+    if taps.kept_entropies and not settings.recompute:   # the fast twin: the first optimizer step's forward is the old
+        entropy = seen.entropy.clone()                   # policy of its rows (update_policy), its entropies too, as the
+        for (rows, _, _), first in zip(record.loss_saw[0], taps.kept_entropies[0]):   # loss takes them when it reads
+            entropy[rows.to(entropy.device)] = first.to(entropy.dtype)              # them (TEPO's measured criterion)
+        seen = dataclasses.replace(seen, entropy=entropy)
 
     def each_row(column):                  # a column of the problems, one value per completion [B]; or None
         return [v for v in problems[column] for _ in range(G)] if column in problems.column_names else None
@@ -75,13 +80,7 @@ def measure_step(run, step: int, record, taps: UpdateTaps) -> tuple[dict, dict |
         saw = [[(rows, logp, entropy if entropy is not None else taps.kept_entropies[i][j])
                 for j, (rows, logp, entropy) in enumerate(micro_batches)]
                for i, micro_batches in enumerate(record.loss_saw)]
-        old = seen
-        if saw and not settings.recompute:   # the fast twin: the first optimizer step's forward is the old policy of
-            entropy = seen.entropy.clone()   # its rows (update_policy), its entropies too, as the loss would have
-            for rows, _, first in saw[0]:    # taken them had it read them (TEPO's measured criterion)
-                entropy[rows.to(entropy.device)] = first.to(entropy.dtype)
-            old = dataclasses.replace(seen, entropy=entropy)
-        details = kl_mask_details(run.cfg, step, saw, batch, old, record.adv, record.scored["rewards"], run.tokenizer)
+        details = kl_mask_details(run.cfg, step, saw, batch, seen, record.adv, record.scored["rewards"], run.tokenizer)
     return row, details
 
 
