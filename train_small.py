@@ -388,7 +388,7 @@ def old_policy(run: Run, batch: Rollout, plan: list) -> OldPolicy:
     dtype = torch.promote_types(next(run.model.parameters()).dtype, torch.float32)  # float64 in the tests
 
     def logprobs_and_entropy(model, with_entropy: bool):     # [B, T] each, one forward per micro-batch
-        logp, entropy = torch.zeros(mask.shape, dtype=dtype, device=mask.device), None
+        logp = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
         entropy = torch.zeros_like(logp) if with_entropy else None
         for rows in forwards:
             logits = completion_logits(model, batch, rows, settings.precision, settings.prompt_once)   # [b, T, V]
