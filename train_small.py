@@ -22,7 +22,7 @@ Read it top to bottom:
         6. update                  one optimizer step per mini-batch, tepo.OBJECTIVES       (update_policy)
      It returns a StepRecord of what it did. Its only helpers outside tepo.py are tepokit/core/ (the forward pass
      and log-probs, the reward parser, the clock) and, on the fast path (--fast, the default), the fast twins in
-     tepokit/fast/ (the shared-prefix sampler, and the sampler's log-probs in step 5's place), each tested equal.
+     tepokit/core/ (the shared-prefix sampler, and the sampler's log-probs in step 5's place), each tested equal.
   5. evaluate         held-out accuracy (greedy) and pass@k
   6. the loop         train: start or resume a run, then step, measure, evaluate, log and checkpoint. The
      measurements (7.) run after the step, from its record (tepokit/diagnostics/after_step.py); the three that
@@ -62,8 +62,8 @@ from tepokit.diagnostics.after_step import measure_step, step_taps
 from tepokit.diagnostics.forking_tokens import eval_by_type
 from tepokit.diagnostics.stats import mean_pass_at_k
 from tepokit.diagnostics.summary import Progress, evaluation_line, write_summary
-from tepokit.fast.sampling import sample
-from tepokit.fast.step_settings import StepSettings, step_settings
+from tepokit.core.sampling import sample
+from tepokit.core.step_settings import StepSettings, step_settings
 from tepokit.plumbing import rundir
 from tepokit.plumbing.errors import fail
 from tepokit.plumbing.non_finite import check_finite, stops_on_divergence
@@ -209,14 +209,14 @@ class Rollout:
 def generate_group(model, tokenizer, questions: list[str], group_size: int, args: Args, device,
                    greedy: bool = False, want_logprobs: bool = False) -> Rollout:
     """G completions per prompt by model.generate, sampled at temperature T from softmax(z / T) (no top-k, no
-    top-p), or greedily. With --fast, its twin tepokit/fast/sampling.py `sample`: the same tokens for the same seed,
+    top-p), or greedily. With --fast, its twin tepokit/core/sampling.py `sample`: the same tokens for the same seed,
     and each token's log-prob and entropy (if want_logprobs)."""
     enc = tokenizer([format_prompt(q) for q in questions], return_tensors="pt", padding=True,
                     truncation=True, max_length=args.max_prompt_tokens)
     prompt_ids, prompt_mask = enc.input_ids.to(device), enc.attention_mask.to(device)          # [U, P]
     group_ids, group_mask = prompt_ids.repeat_interleave(group_size, 0), prompt_mask.repeat_interleave(group_size, 0)
     eos_ids = eos_ids_of(model)
-    if args.fast:    # the fast twin: each prompt read once per group, log-probs as it samples (fast/sampling.py)
+    if args.fast:    # the fast twin: each prompt read once per group, log-probs as it samples (core/sampling.py)
         out = sample(model, prompt_ids, prompt_mask, group_size, args.max_new_tokens, args.temperature, args.precision,
                      args.sampler, args.cuda_graphs, greedy, want_logprobs)
     else:
@@ -274,7 +274,7 @@ class Run:
     test_set: object
     first_step: int                     # 1, or the step after the checkpoint when resuming
     details_path: str | None            # details.jsonl, TEPO only
-    settings: StepSettings              # what the step reads, resolved once (tepokit/fast/step_settings.py)
+    settings: StepSettings              # what the step reads, resolved once (tepokit/core/step_settings.py)
     trackers: Trackers                  # --report-to: every metrics.jsonl row also goes there, live
     clock: object = PhaseClock          # makes each step's clock (--bench and the memory check give their own)
 
@@ -374,7 +374,7 @@ def old_policy(run: Run, batch: Rollout, plan: list) -> OldPolicy:
     (the rows its optimizer steps will see), so the first of them is exactly on-policy whatever the kernels: same
     rows, same shapes, same arithmetic. Rows no optimizer step sees (dropped by DAPO's filter) are still needed
     for the rollout's entropy. Their fast twin (--fast, in fp32 with the loop sampler; recompute_old_logprobs in
-    tepokit/fast/step_settings.py says when) takes the sampler's, computed from the logits that chose each token: no
+    tepokit/core/step_settings.py says when) takes the sampler's, computed from the logits that chose each token: no
     forward pass.
     """
     settings, B = run.settings, batch.completion_ids.shape[0]

@@ -14,14 +14,13 @@ this list (a folder imports the ones below it, never one above), and nothing imp
                 falls), stats.py (pass@k, intervals), summary.py (the progress line and summary.json)
   setup/        the task and the model: task.py (the built-in tasks, data sets, their checks), model.py (the
                 character tokenizer, the tiny model and its warm-up, loading a real model, the device)
-  fast/         the fast twins of the RL step, tested equal to the plain path: sampling.py (which sampler a rollout
-                uses), shared_prefix.py (the GPT-2 sampler that reads each prompt once per group, and the sampling
-                loop), generate.py (every other model's), cuda_graph.py (a static KV cache replayed as a CUDA
-                graph), step_settings.py (what the step reads, resolved once from the flags and the model)
-  core/         what the RL step itself calls: forward.py (completion logits, memory-bounded log-probs and
-                entropy), reward.py (the prompt and the answer parsing), metrics.py (a mini-batch's metrics from
+  core/         what the RL step calls, and nothing else: forward.py (completion logits, memory-bounded log-probs
+                and entropy), reward.py (the prompt and the answer parsing), metrics.py (a mini-batch's metrics from
                 its micro-batches'), clock.py (each phase's seconds), taps.py (the update's one observer, through
-                which the measurements look inside it)
+                which the measurements look inside it); the fast twins of the plain path, each tested equal to it:
+                sampling.py (which sampler a rollout uses), shared_prefix.py (the GPT-2 sampler that reads each
+                prompt once per group, and the sampling loop), generate.py (every other model's), cuda_graph.py (a
+                static KV cache replayed as a CUDA graph); step_settings.py (what the step reads, resolved once)
   plumbing/     the run directory and the process: rundir.py (lock, config, logs, checkpoints), signals.py (Ctrl-C,
                 SIGTERM, SIGHUP: finish the step, checkpoint, exit), non_finite.py (a non-finite loss, gradient
                 or weight ends the run), report.py (--report-to), peak_memory.py, hub.py (the Hugging Face hub,

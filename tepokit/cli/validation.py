@@ -15,7 +15,7 @@ import torch
 
 import tepo
 from tepokit.plumbing.errors import fail, warn
-from tepokit.fast.step_settings import rows_per_minibatch
+from tepokit.core.step_settings import rows_per_minibatch
 from tepokit.plumbing.report import TRACKERS, valid_report_to
 from tepokit.plumbing.rundir import holds_a_run, holds_other_files
 from tepokit.setup.task import arithmetic_task_size, hidden_type_task_size

@@ -1,2 +1,2 @@
-"""What the RL step itself calls (train_small.py, rl_step): the forward pass and log-probs, the reward parser,
-a mini-batch's metrics, the clock, and the update's one observer (taps.py)."""
+"""What the RL step calls, and nothing else: the forward pass and log-probs, the sampler and its fast twins, the
+reward parser, a mini-batch's metrics, the clock, and the update's one observer (taps.py)."""

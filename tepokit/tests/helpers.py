@@ -20,7 +20,7 @@ import train_small as ts
 from tepokit.cli.flags import objective_config, parse_args
 from tepokit.plumbing.report import Trackers
 from tepokit.plumbing.rundir import save_checkpoint
-from tepokit.fast.step_settings import step_settings
+from tepokit.core.step_settings import step_settings
 
 
 REPO = str(Path(__file__).resolve().parents[2])      # the repository root

@@ -8,7 +8,7 @@ import tepo
 import tepokit.core.forward
 import train_small as ts
 from tepokit.core.forward import completion_logits, completion_logits_prompt_once, token_logprobs
-from tepokit.fast.step_settings import step_settings
+from tepokit.core.step_settings import step_settings
 from tepokit.setup.model import build_char_tokenizer
 from tepokit.tests.helpers import F64, assert_close
 

@@ -7,7 +7,7 @@ import re
 
 from tepokit.tests.helpers import REPO
 
-ORDER = ["tools", "cli", "diagnostics", "setup", "fast", "core", "plumbing"]     # top to bottom, as listed
+ORDER = ["tools", "cli", "diagnostics", "setup", "core", "plumbing"]     # top to bottom, as listed
 
 
 def project_modules() -> dict:

@@ -11,7 +11,7 @@ import train_small as ts
 from tepokit.core.taps import UpdateTaps
 from tepokit.diagnostics.mechanisms import (OFF, effect_check_interval, mechanism_effects, mechanism_gradients,
                                             mechanisms, parameters_set_to)
-from tepokit.fast.step_settings import step_settings
+from tepokit.core.step_settings import step_settings
 from tepokit.tests.helpers import F64, MICRO, hand_batch, micro_run, read_rows, run_main, without_timing
 from tepokit.tests.test_train_small import float64_gpt2
 

@@ -149,7 +149,7 @@ def test_the_memory_check_runs_the_plans_worst_case_and_prints_each_phase_beside
     token, every prompt at least --max-prompt-tokens long; each phase's measured peak beside its plan, in
     the output and in memory_check.json. The sampler's end tokens are as before after it."""
     from tepokit.core import forward
-    from tepokit.fast import sampling
+    from tepokit.core import sampling
     from transformers import AutoTokenizer
     model_dir = make_model_dir(tmp_path / "model", vocab_size=512)
     with open(tmp_path / "data.jsonl", "w") as f:

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 import tepo
 import train_small as ts
 from tepokit.core import clock
-from tepokit.fast import shared_prefix
+from tepokit.core import shared_prefix
 from tepokit.cli.flags import objective_config, parse_args
 from tepokit.tools.memory import PHASES, memory_plan, model_config_for_plan
 from tepokit.setup.model import END, build_char_tokenizer, use_fused_gelu

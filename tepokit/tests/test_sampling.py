@@ -1,4 +1,4 @@
-"""tepokit/fast/sampling.py: the KV-cache sampling loop against transformers' generate (same tokens under the
+"""tepokit/core/sampling.py: the KV-cache sampling loop against transformers' generate (same tokens under the
 same random stream, same log-probs and entropies), its logits against a full forward, and when the old
 log-probs are the sampler's."""
 import contextlib
@@ -10,16 +10,16 @@ from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, Qwen2Con
 
 import tepo
 import train_small as ts
-from tepokit.fast import generate, shared_prefix
-from tepokit.fast.sampling import static_generation
+from tepokit.core import generate, shared_prefix
+from tepokit.core.sampling import static_generation
 from tepokit.core.forward import completion_logits
 from tepokit.setup.model import (START_MODEL_DIR, build_char_tokenizer, build_tiny_model, load_policy, tiny_model_config,
                            use_fused_gelu)
-from tepokit.fast.sampling import uses_loop
-from tepokit.fast.step_settings import STACKED_LOGITS_MAX_BYTES, recompute_old_logprobs, sampler_logprobs_wanted, stacked_logits_bytes
-from tepokit.fast.generate import sample_generate
-from tepokit.fast.shared_prefix import sample_gpt2
-from tepokit.fast.step_settings import step_settings
+from tepokit.core.sampling import uses_loop
+from tepokit.core.step_settings import STACKED_LOGITS_MAX_BYTES, recompute_old_logprobs, sampler_logprobs_wanted, stacked_logits_bytes
+from tepokit.core.generate import sample_generate
+from tepokit.core.shared_prefix import sample_gpt2
+from tepokit.core.step_settings import step_settings
 from tepokit.setup.task import make_arithmetic_task
 
 QUESTIONS = ["Ann has 3 pens and 4 more. How many?", "a?", "Bob has 12345 pens and 6789 more. How many pens?"]

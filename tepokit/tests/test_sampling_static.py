@@ -1,4 +1,4 @@
-"""--cuda-graphs (tepokit/fast/cuda_graph.py): generation over a static KV cache, whose decode step a GPU replays as a
+"""--cuda-graphs (tepokit/core/cuda_graph.py): generation over a static KV cache, whose decode step a GPU replays as a
 CUDA graph, against today's samplers on the CPU, where the same static-cache step runs eagerly. GPT-2's loop
 (sample_gpt2, static=True: every step reads all T completion positions, the unwritten ones masked) against
 itself as it was (reading t + 1 positions); sample_static_cache (transformers' StaticCache, our loop) against
@@ -11,13 +11,13 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, Qwen2Config
 
 import train_small as ts
-from tepokit.fast import cuda_graph
-from tepokit.fast import shared_prefix
-from tepokit.fast.cuda_graph import static_decoder
-from tepokit.fast.sampling import static_generation
-from tepokit.fast.sampling import sample
-from tepokit.fast.generate import sample_generate, sample_static_cache, static_cache_problem
-from tepokit.fast.shared_prefix import sample_gpt2
+from tepokit.core import cuda_graph
+from tepokit.core import shared_prefix
+from tepokit.core.cuda_graph import static_decoder
+from tepokit.core.sampling import static_generation
+from tepokit.core.sampling import sample
+from tepokit.core.generate import sample_generate, sample_static_cache, static_cache_problem
+from tepokit.core.shared_prefix import sample_gpt2
 from tepokit.tests.test_sampling import kept_logits, logits_sampled_from, tiny
 
 

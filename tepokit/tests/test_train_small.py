@@ -13,7 +13,7 @@ import tepo
 import train_small as ts
 from tepokit.setup.model import build_char_tokenizer, build_tiny_model
 from tepokit.diagnostics.stats import accuracy_auc
-from tepokit.fast.step_settings import step_settings
+from tepokit.core.step_settings import step_settings
 from tepokit.diagnostics.summary import accuracy_with_interval
 from tepokit.core.taps import UpdateTaps
 from tepokit.diagnostics.entropy_check import checked_rows

@@ -16,7 +16,7 @@ import torch
 import tepo
 from tepokit.cli.flags import command_line, flag_and_value, objective_config
 from tepokit.plumbing.errors import fail, quiet
-from tepokit.fast.step_settings import rows_per_forward, rows_per_minibatch
+from tepokit.core.step_settings import rows_per_forward, rows_per_minibatch
 from tepokit.core.clock import PhaseClock, wait_for_the_gpu
 from tepokit.setup.model import pick_device, prepare_start_model
 from tepokit.plumbing.rundir import read_log, save_pretrained_atomically, write_json

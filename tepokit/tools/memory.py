@@ -12,7 +12,7 @@ import time
 import torch
 
 import tepo
-from tepokit.fast import sampling
+from tepokit.core import sampling
 from tepokit.cli.flags import objective_config, run_settings
 from tepokit.diagnostics.entropy_check import ENTROPY_CHECK_MAX_POSITIONS, checked_rows
 from tepokit.core.clock import PhaseClock
@@ -21,10 +21,10 @@ from tepokit.core.forward import LOGITS_CHUNK_BYTES
 from tepokit.plumbing.hub import cannot_load, use_offline_hub_if_unreachable
 from tepokit.setup.model import builtin_tokenizer, pick_device, tiny_model_config
 from tepokit.plumbing.rundir import read_log, write_json
-from tepokit.fast.sampling import static_generation
-from tepokit.fast.sampling import uses_loop
-from tepokit.fast.generate import STATIC_CACHE_MODEL_TYPES
-from tepokit.fast.step_settings import step_settings
+from tepokit.core.sampling import static_generation
+from tepokit.core.sampling import uses_loop
+from tepokit.core.generate import STATIC_CACHE_MODEL_TYPES
+from tepokit.core.step_settings import step_settings
 from tepokit.setup.task import load_task
 from tepokit.core.reward import format_prompt
 
@@ -60,7 +60,7 @@ UNLISTED = 0.05
 # cuBLAS keeps a workspace for each handle and stream it has run on, from the caching allocator, for the process's
 # life (PyTorch's aten/src/ATen/cuda/CublasHandlePool.cpp): 32 MiB on a Hopper GPU (8 MiB on older ones), and
 # cuBLASLt's 1 MiB. A run holds two on its stream (the forward's thread and autograd's backward thread each have a
-# handle) and, capturing the decode step (tepokit/fast/cuda_graph.py), two more: its warm-up stream and capture stream.
+# handle) and, capturing the decode step (tepokit/core/cuda_graph.py), two more: its warm-up stream and capture stream.
 CUBLAS_WORKSPACE = 33 * 2**20
 
 
@@ -126,7 +126,7 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
         return n * min(LOGITS_CHUNK_BYTES, positions * V * nbytes)
 
     def rollout(prompts: int, group: int, stacked: bool) -> list:
-        """The moments of generating `group` completions of `prompts` prompts (tepokit/fast/sampling.py)."""
+        """The moments of generating `group` completions of `prompts` prompts (tepokit/core/sampling.py)."""
         rows = prompts * group
         if loop:     # sample_gpt2: fp32 keys and values of each prompt once, the completions' in one buffer
             prompt_cache = {"prompts' keys and values": 2 * L * prompts * P * H * 4}

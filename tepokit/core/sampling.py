@@ -2,12 +2,12 @@
 and entropy, the twin of the plain path's `model.generate` (train_small.py, generate_group): the same tokens for
 the same random stream (tepokit/tests/test_sampling.py and test_sampling_static.py). `sample` picks one of:
 
-  - sample_gpt2 (fast/shared_prefix.py): a sampling loop written out for GPT-2-shaped models (the built-in model,
+  - sample_gpt2 (shared_prefix.py): a sampling loop written out for GPT-2-shaped models (the built-in model,
     GPT-2 itself), which reads each prompt once for its whole group;
-  - sample_generate (fast/generate.py): transformers' `generate`, for every other model; its log-probs need the
+  - sample_generate (generate.py): transformers' `generate`, for every other model; its log-probs need the
     logits of every step ([B, T, V]), so by default its old log-probs are recomputed;
-  - with --cuda-graphs (fast/cuda_graph.py; on a GPU by default), both over a static KV cache whose decode step a
-    GPU replays as a CUDA graph: sample_gpt2(static=True), and sample_static_cache (fast/generate.py) for Qwen2 and
+  - with --cuda-graphs (cuda_graph.py; on a GPU by default), both over a static KV cache whose decode step a
+    GPU replays as a CUDA graph: sample_gpt2(static=True), and sample_static_cache (generate.py) for Qwen2 and
     Llama models.
 
 Why the log-probs matter: they are the behaviour policy's, computed from the very logits that chose each token,
@@ -18,9 +18,9 @@ so the RL step needs no extra forward pass for its old log-probs (train_small.py
 from __future__ import annotations
 
 from tepokit.core.forward import autocast, eos_ids_of
-from tepokit.fast.cuda_graph import warn_once
-from tepokit.fast.generate import sample_generate, sample_static_cache, static_cache_problem
-from tepokit.fast.shared_prefix import sample_gpt2
+from tepokit.core.cuda_graph import warn_once
+from tepokit.core.generate import sample_generate, sample_static_cache, static_cache_problem
+from tepokit.core.shared_prefix import sample_gpt2
 
 
 def uses_loop(config, fast: bool, sampler: str) -> bool:

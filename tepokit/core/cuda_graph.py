@@ -6,7 +6,7 @@ token for Qwen2.5-0.5B's shape, where reading the weights takes 0.4 ms). A CUDA 
 kernels once and replays them with one launch. Recording needs every shape and every address fixed: the KV cache is
 preallocated to prompt + --max-new-tokens and written in place, each step attends over all of it with the
 positions not yet written masked out, and the step reads its inputs (the new tokens [B], the position t)
-from tensors it owns. The sampling itself (tepokit/fast/shared_prefix.py: sample_step, temperature, multinomial,
+from tensors it owns. The sampling itself (tepokit/core/shared_prefix.py: sample_step, temperature, multinomial,
 greedy) runs outside the graph, unchanged.
 
   off   today's samplers (sample_gpt2's growing attention, transformers' generate)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tepokit.fast.sampling import uses_loop
+from tepokit.core.sampling import uses_loop
 
 
 # generate's log-probs need the logits of every step stacked, [B, T, V] float32: never more than this.

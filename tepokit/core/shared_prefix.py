@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import tepo
-from tepokit.fast.cuda_graph import static_decoder
+from tepokit.core.cuda_graph import static_decoder
 
 
 def logprob_and_entropy(logits: torch.Tensor, token: torch.Tensor, temperature: float) -> tuple:
@@ -48,7 +48,7 @@ def sample_gpt2(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens:
     positions up to the current one are all valid (a row that has ended keeps sampling, its tokens replaced by
     pad_id, as generate does), so they need no mask.
 
-    static (--cuda-graphs, tepokit/fast/cuda_graph.py): every step attends over all T positions of the buffer
+    static (--cuda-graphs, tepokit/core/cuda_graph.py): every step attends over all T positions of the buffer
     (zeroed, so that no position holds a NaN), the ones after the current one masked with -inf, so that the step's
     shapes never change and it can be captured as a CUDA graph (capture: on a GPU). The same softmax weights: the
     masked positions weigh exactly 0.

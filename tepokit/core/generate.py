@@ -9,8 +9,8 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from tepokit.fast.cuda_graph import static_decoder
-from tepokit.fast.shared_prefix import end_check_every, logprob_and_entropy, sampling_loop
+from tepokit.core.cuda_graph import static_decoder
+from tepokit.core.shared_prefix import end_check_every, logprob_and_entropy, sampling_loop
 
 
 @torch.no_grad()
@@ -54,7 +54,7 @@ def static_cache_problem(model) -> str | None:
 def sample_static_cache(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens: int, temperature: float,
                         eos_ids: list[int], pad_id: int, greedy: bool = False, capture: bool = False) -> dict:
     """sample_generate's completions, log-probs and entropies from sampling_loop over transformers' StaticCache
-    (--cuda-graphs, tepokit/fast/cuda_graph.py): keys and values [B, kv heads, P+T, d] allocated once, written in
+    (--cuda-graphs, tepokit/core/cuda_graph.py): keys and values [B, kv heads, P+T, d] allocated once, written in
     place; each decode step reads them all under a mask [B, 1, 1, P+T] of the prompt's tokens and the
     completion so far, so its shapes never change and it can be captured as a CUDA graph (capture: on a GPU).
     Positions as generate makes them (cumsum of the mask - 1); the same tokens under the same random stream.
