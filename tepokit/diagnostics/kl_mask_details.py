@@ -112,8 +112,8 @@ class KLMaskDetails:
 def kl_mask_details(cfg: tepo.ObjectiveConfig, step: int, seen: list, batch, old, adv: torch.Tensor,
                     rewards: torch.Tensor, tokenizer) -> dict:
     """The details.jsonl row of one RL step. seen: what the loss saw, per optimizer step, per micro-batch:
-    (rows [b], log pi [b, T], entropy [b, T]) (train_small.update_policy); old: the OldPolicy, whose log-probs
-    and entropies are the ones the loss compared with (its first mini-batch's rows were replaced before use)."""
+    (rows [b], log pi [b, T], entropy [b, T]) (train_small.update_policy; the entropies from the update's taps where
+    the loss read none); old: the OldPolicy the loss compared with (its first mini-batch's rows replaced before use)."""
     mask = batch.completion_mask
     adv = adv.to(mask.device)
     details = KLMaskDetails(cfg, batch.completion_ids.shape[1], mask.device)

@@ -18,11 +18,11 @@ they have little or nothing to do. This module measures it, every --effect-check
 g_on is the gradient of the objective with respect to every parameter on the rows of the step's LAST optimizer step
 (aggregated as the update aggregates it), at that optimizer step's parameters and with the old log-probs its loss
 compared with: the gradient that optimizer step applied, before clipping and Adam (tepokit/tests/test_mechanisms.py
-checks it to 1e-9 in float64). g_off is the same with the mechanism switched off (`mechanisms` says how),
-everything else equal: a counterfactual of one real optimizer step. Which one is logged as effect/optimizer_step
-(1-based) of effect/optimizer_steps: the last, where the policy has drifted furthest from the old one within the
-step (its first mini-batch saw no drift at all); a mechanism acts less, or not at all, on the step's earlier
-optimizer steps. It costs a copy of the parameters (kept by the update's taps, tepokit/core/taps.py), one forward
+checks it to 1e-9 in float64; Clip-Cov's random draw is the measurement's own, so there it is that gradient only
+where the two draws agree). g_off is the same with the mechanism switched off (`mechanisms` says how), everything
+else equal: a counterfactual of one real optimizer step. Which one is logged as effect/optimizer_step (1-based) of
+effect/optimizer_steps: the last, the one after the most updates of the step (the first is on-policy: ratio 1);
+the earlier ones are not measured. It costs a copy of the parameters (kept by the update's taps, tepokit/core/taps.py), one forward
 over those rows and one backward for the objective and for each mechanism that changed some token's gradient,
 after the step.
 
