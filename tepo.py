@@ -51,7 +51,7 @@ __all__ = [
     "masked_sum", "masked_mean", "ADVANTAGE_SCALES", "group_advantages", "AGGREGATIONS", "aggregate_loss",
     "KL_ESTIMATORS", "kl_penalty", "token_logprobs_from_logits",
     # 2. configuration
-    "ObjectiveConfig", "RATIO_MODES", "ENTROPY_CRITERIA", "KL_TARGETS", "KL_MODES", "BLOCK_RATIOS",
+    "ObjectiveConfig", "RATIO_MODES", "ENTROPY_CRITERIA", "KL_TARGETS", "KL_MODES", "CLIP_CHOICES", "BLOCK_RATIOS",
     "BLOCK_AGGREGATIONS", "check_config", "InvalidSetting", "PAPER_DEFAULTS", "config_for",
     # 3. the GRPO family: the skeleton, then each objective with the pieces it alone needs
     "ObjectiveInputs", "PolicyTerms", "objective", "token_log_ratio", "clipped_surrogate", "ppo_clip_loss",
@@ -62,7 +62,8 @@ __all__ = [
     "entropy_grad_wrt_logits", "fisher_matrix", "policy_gradient_step", "natural_gradient_step",
     "first_order_entropy_change", "entropy_change_prediction",
     # 5. the remedies; 6. the objectives by name
-    "entropy_bonus", "token_covariance", "clip_cov_loss", "kl_cov_loss", "tepo_kl_mask", "tepo_loss", "OBJECTIVES",
+    "entropy_bonus", "token_covariance", "clip_cov_loss", "kl_cov_loss", "tepo_kl_mask", "random_clip_like",
+    "tepo_loss", "OBJECTIVES",
     "TRAINER_FIELDS", "FIELDS_READ", "needs_ref", "needs_entropy",
 ]
 
@@ -307,6 +308,7 @@ class ObjectiveConfig:
     kl_target: str = "old"           # masked KL against the rollout policy (old) or the reference (ref)
     kl_mode: str = "soft"            # soft: + beta * M * D | hard: drop masked tokens with D > kl_tau
     kl_tau: float = 0.0              # threshold of the hard mask
+    clip_choice: str = "band"        # band: clip the sequences the band clips | random: as many, drawn at random
     # MPO (our reconstruction; see mpo_loss, section 3.4)
     block_size: int = 4              # K tokens per action block
     block_ratio: str = "joint"       # joint (product of K ratios) | geomean (their geometric mean)
@@ -326,6 +328,7 @@ RATIO_MODES = ("gspo_token", "gmpo")
 ENTROPY_CRITERIA = ("cov", "measured")
 KL_TARGETS = ("old", "ref")
 KL_MODES = ("soft", "hard")
+CLIP_CHOICES = ("band", "random")
 BLOCK_RATIOS = ("joint", "geomean")
 BLOCK_AGGREGATIONS = ("seq-mean-block-mean", "block-mean", "token-weighted")
 
@@ -341,6 +344,9 @@ def check_config(cfg: ObjectiveConfig) -> None:
     _check_choice("kl_mode", cfg.kl_mode, KL_MODES)
     _check_choice("block_ratio", cfg.block_ratio, BLOCK_RATIOS)
     _check_choice("block_agg", cfg.block_agg, BLOCK_AGGREGATIONS)
+    _check_choice("clip_choice", cfg.clip_choice, CLIP_CHOICES)
+    if cfg.clip_choice == "random" and cfg.ratio_mode != "gspo_token":
+        raise InvalidSetting("clip_choice", cfg.clip_choice, "band with ratio_mode='gmpo' (random is for gspo_token)")
     for name in ("eps_low", "eps_high", "beta", "kl_tau", "adv_eps", "clip_cov_ratio", "kl_cov_ratio", "entropy_coef"):
         if not getattr(cfg, name) >= 0:
             raise InvalidSetting(name, getattr(cfg, name), "a number >= 0")
@@ -1229,6 +1235,26 @@ def _gmpo_surrogate(x: ObjectiveInputs, cfg: ObjectiveConfig):
     return loss, _per_position(s, x.logp), low, high
 
 
+def random_clip_like(unclipped: torch.Tensor, clipped: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor):
+    """A control of ours, not from a paper: clip as many sequences as the band clipped, but drawn at random.
+
+    unclipped [B, T]: the loss with no clip (-A w); clipped [B, T] bool: the band's clipped tokens. n = the
+    sequences with a clipped token; n sequences are drawn uniformly, without replacement, from those the band could
+    clip (a valid token, A != 0), and their tokens get the band's treatment: the loss's value, no gradient. Made
+    for the sequence ratio (gspo_token), whose clip takes whole sequences. It tells which sequences the band
+    clips from how many: both remove the same share of the batch. The draw uses torch's global RNG, as Clip-Cov's.
+    Returns (loss, clipped_low, clipped_high) [B, T] each: what was dropped, by the sign of A."""
+    valid = mask.bool()
+    n = int((clipped & valid).any(-1).sum())
+    candidates = ((adv != 0) & valid).any(-1).nonzero().squeeze(-1)                      # [n_candidates]
+    chosen = candidates[torch.randperm(candidates.numel(), device=candidates.device)[:n]] if n else candidates[:0]
+    dropped = torch.zeros(unclipped.shape[0], dtype=torch.bool, device=unclipped.device)
+    dropped[chosen] = True
+    dropped = dropped.unsqueeze(-1) & valid                                              # [B, T]
+    loss = torch.where(dropped, unclipped.detach(), unclipped)
+    return loss, dropped & (adv < 0), dropped & (adv > 0)
+
+
 @objective(reads=("ref_logp", "entropy", "old_entropy"))
 def tepo_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
     """TEPO (Token-level Policy Optimization) -- a RECONSTRUCTION from the abstracts.
@@ -1254,6 +1280,7 @@ def tepo_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
       kl_mode           soft (+ beta M D) | hard (drop the policy gradient of masked tokens whose
                         D > kl_tau; beta unused)
       aggregation       token-mean (default); seq-mean-token-mean gives GSPO + the mask (ablation)
+      clip_choice       band (default) | random: a control of ours, not TEPO (random_clip_like)
     Defaults: PAPER_DEFAULTS["tepo"]; eps (3e-4, 4e-4) are GSPO's, since a geometric-mean ratio
     hardly moves and GRPO's 0.2 would never clip.
     Does nothing beyond DAPO when on-policy: with kl_target="old", D = 0 and dD = 0 at r = 1, so the
@@ -1267,6 +1294,8 @@ def tepo_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
         loss, low, high = clipped_surrogate(w, x.adv, cfg.eps_low, cfg.eps_high)
     else:
         loss, w, low, high = _gmpo_surrogate(x, cfg)
+    if cfg.clip_choice == "random":     # a control (ours): the band's number of clipped sequences, drawn at random
+        loss, low, high = random_clip_like(-x.adv * w, low | high, x.adv, x.mask)
     kl_mask = tepo_kl_mask(x.logp, x.adv, x.mask, cfg, x.entropy, x.old_entropy)        # [B, T]
     target = x.old_logp if cfg.kl_target == "old" else x.ref_logp
     if target is None:
@@ -1314,6 +1343,7 @@ OBJECTIVES = {
 #   entropy_coef          the entropy bonus (PPO's c2, arXiv 1707.06347), added by the trainer (entropy_bonus)
 #   clip_cov_*, kl_cov_ratio             Clip-Cov / KL-Cov (Cui et al., arXiv 2505.22617)
 #   ratio_mode, entropy_criterion, kl_target, kl_mode, kl_tau   TEPO (arXiv 2510.09369), our reconstruction
+#   clip_choice           ours: an experiment's control for TEPO's band (docs/collapse.md)
 #   block_size, block_ratio, block_agg   MPO (arXiv 2602.14386), our reconstruction
 # TRAINER_FIELDS are read by train_small.py (advantages and data) for every objective, never by a loss.
 # MPO reads block_agg instead of aggregation/norm_constant (its unit is a block). Some fields act only together
@@ -1332,8 +1362,8 @@ FIELDS_READ: dict[str, tuple[str, ...]] = {
     "kl_cov": ("log_ratio_clamp",) + _KL_AND_AGGREGATION + ("kl_cov_ratio",) + TRAINER_FIELDS,
     "gspo": _CLIP + _KL_AND_AGGREGATION + TRAINER_FIELDS,
     "gspo_token": _CLIP + _KL_AND_AGGREGATION + TRAINER_FIELDS,
-    "tepo": _CLIP + _KL_AND_AGGREGATION + ("ratio_mode", "entropy_criterion", "kl_target", "kl_mode", "kl_tau")
-            + TRAINER_FIELDS,
+    "tepo": _CLIP + _KL_AND_AGGREGATION + ("ratio_mode", "entropy_criterion", "kl_target", "kl_mode", "kl_tau",
+                                           "clip_choice") + TRAINER_FIELDS,
     "mpo": _CLIP + ("beta", "kl_estimator", "block_size", "block_ratio", "block_agg") + TRAINER_FIELDS,
 }
 

@@ -2083,7 +2083,7 @@ FIELD_VALUES = {
     "beta": (0.0, 0.5), "kl_estimator": ("k1", "k2", "abs"), "aggregation": ("seq-mean-token-sum", "token-mean"),
     "norm_constant": (3.0, None), "advantage_scale": ("none", "batch"), "adv_eps": (0.1, 1e-3),
     "dynamic_sampling": (True, False), "overlong_penalty": (True, False), "ratio_mode": ("gmpo", "gspo_token"),
-    "entropy_criterion": ("measured", "cov"), "kl_target": ("ref", "old"), "kl_mode": ("hard", "soft"),
+    "entropy_criterion": ("measured", "cov"), "kl_target": ("ref", "old"), "kl_mode": ("hard", "soft"), "clip_choice": ("random", "band"),
     "kl_tau": (0.05, 0.0), "block_size": (2, 3), "block_ratio": ("geomean", "joint"),
     "block_agg": ("block-mean", "token-weighted"), "clip_cov_ratio": (0.5, 0.05), "clip_cov_lb": (0.0, -100.0),
     "clip_cov_ub": (0.0, 100.0), "kl_cov_ratio": (0.5, 0.05), "entropy_coef": (0.01, 0.5),
@@ -2222,3 +2222,51 @@ def test_entropy_bonus_is_zero_without_a_coefficient_and_raises_entropy_when_fol
     before = tepo.entropy_from_logits(logits.detach()).mean()
     after = tepo.entropy_from_logits(logits.detach() - 0.1 * logits.grad).mean()   # one descent step on the loss
     assert after > before
+
+
+# ---- clip_choice="random": the band's number of clipped sequences, drawn at random (a control, ours) ----------------
+
+def test_random_clip_drops_as_many_sequences_as_the_band_clips_and_leaves_the_others_unclipped():
+    """tepo with clip_choice="random", float64, off-policy: the rows with zero gradient are exactly as many as the
+    band's clipped rows, each a row with A != 0; every other row has the gradient the loss has with no clip at all
+    (eps = inf), and the loss's value is the no-clip loss's. Two calls after the same seed drop the same rows, and
+    other seeds drop other rows."""
+    x = make_inputs(B=16, T=6, seed=3, noise=0.01)
+    band = cfg("tepo", beta=0.0)
+    _, _, m_band = run_x("tepo", x, band)
+    _, g_band, _ = run_x("tepo", x, band)
+    band_clipped = int((g_band.abs().sum(-1) == 0).sum())          # rows whose every token the band clipped
+    assert 0 < band_clipped < 16, band_clipped
+    loss_free, g_free, _ = run_x("tepo", x, cfg("tepo", beta=0.0, eps_low=float("inf"), eps_high=float("inf")))
+    dropped_sets = set()
+    for seed in range(6):
+        torch.manual_seed(seed)
+        loss, g, m = run_x("tepo", x, cfg("tepo", beta=0.0, clip_choice="random"))
+        dropped = g.abs().sum(-1) == 0                              # [B]
+        assert int(dropped.sum()) == band_clipped
+        kept = ~dropped
+        assert_close(g[kept], g_free[kept])
+        assert_close(loss, loss_free)
+        # what it reports as clipped is what it dropped, split by the sign of A, at the band's rate in sequences
+        assert_close(m["clip_ratio/low_mean"] + m["clip_ratio/high_mean"],
+                     float(x.mask[dropped].sum() / x.mask.sum()))
+        torch.manual_seed(seed)
+        assert torch.equal(run_x("tepo", x, cfg("tepo", beta=0.0, clip_choice="random"))[1], g)
+        dropped_sets.add(tuple(dropped.tolist()))
+    assert len(dropped_sets) > 1
+    assert m_band["clip_ratio/low_mean"] + m_band["clip_ratio/high_mean"] > 0
+
+
+def test_random_clip_drops_nothing_on_policy_and_draws_no_random_number_then():
+    x = make_inputs(B=8, T=5, seed=4, noise=0.0)
+    torch.manual_seed(0)
+    _, g_random, _ = run_x("tepo", x, cfg("tepo", beta=0.0, clip_choice="random"))
+    after = torch.rand(1)
+    torch.manual_seed(0)
+    _, g_band, _ = run_x("tepo", x, cfg("tepo", beta=0.0))
+    assert torch.equal(g_random, g_band) and torch.equal(torch.rand(1), after)
+
+
+def test_random_clip_is_refused_with_the_log_space_ratio():
+    with pytest.raises(ValueError, match="clip_choice"):
+        cfg("tepo", ratio_mode="gmpo", clip_choice="random")

@@ -134,6 +134,7 @@ class Args:
     overlong_cache: int = 6             # DAPO soft overlong punishment: length of the penalty ramp
     # --- update ---
     lr: float = 1e-4                    # RL learning rate (Adam, beta2 0.999, no weight decay)
+    optimizer: str = "adam"             # adam | sgd (plain, no momentum: an experiment's control, docs/collapse.md)
     lr_warmup_steps: int = 20           # RL steps of linear lr warm-up from 0 (Adam's first steps are sign-like)
     mini_batches: int = 2               # optimizer steps per rollout per epoch (>= 2 lets clipping act)
     epochs: int = 1                     # passes over each rollout
@@ -600,7 +601,8 @@ def start_run(args: Args, obj_overrides: dict, clock=PhaseClock) -> Run:
     lock = rundir.claim_run_dir(run_dir, resume=bool(resume_dir), overwrite=args.overwrite)
     run = Run(args=args, cfg=cfg, objective=tepo.OBJECTIVES[args.objective], device=device, run_dir=run_dir,
               lock=lock, identity=identity, model=model, ref_model=ref_model, tokenizer=tokenizer,
-              optimizer=torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.999)),
+              optimizer=(torch.optim.SGD(model.parameters(), lr=args.lr) if args.optimizer == "sgd"
+                         else torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.999))),
               train_set=task["train"], test_set=task["test"].select(range(min(args.n_test, len(task["test"])))),
               first_step=1, details_path=os.path.join(run_dir, "details.jsonl") if args.objective == "tepo" else None,
               settings=step_settings(args, model.config), clock=clock,

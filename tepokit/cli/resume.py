@@ -27,7 +27,7 @@ def identity_differences(saved: dict, found: dict) -> list[str]:
 # Settings a config.json may lack (it was written before they existed), with the value that does what such a
 # run did, so that --resume continues it with the same arithmetic: generate sampled, the old log-probs were
 # recomputed, and the forward read each prompt once (--fast).
-DEFAULTS_OF_OLDER_CONFIGS = {"sampler": "generate", "recompute_old_logprobs": True, "fast": True}
+DEFAULTS_OF_OLDER_CONFIGS = {"sampler": "generate", "recompute_old_logprobs": True, "fast": True, "optimizer": "adam"}
 
 
 def check_resumable(run_dir: str, Args, run_only: tuple) -> tuple[dict, int]:

@@ -130,6 +130,7 @@ VALID: dict[str, tuple] = {
     "steps": at_least(1),
     "save_every": at_least(1),
     "engine": one_of(["tepo", "trl"]),
+    "optimizer": one_of(["adam", "sgd"]),
     "cache_dir": path(WRITABLE, writable_location),
     # --- model ---
     "model": path("a Hugging Face id (name or org/name) or an existing local directory", hub_id_or_local),
@@ -197,8 +198,8 @@ VALID: dict[str, tuple] = {
     "kl_estimator": one_of(tepo.KL_ESTIMATORS), "aggregation": one_of(tepo.AGGREGATIONS),
     "advantage_scale": one_of(tepo.ADVANTAGE_SCALES), "ratio_mode": one_of(tepo.RATIO_MODES),
     "entropy_criterion": one_of(tepo.ENTROPY_CRITERIA), "kl_target": one_of(tepo.KL_TARGETS),
-    "kl_mode": one_of(tepo.KL_MODES), "block_ratio": one_of(tepo.BLOCK_RATIOS),
-    "block_agg": one_of(tepo.BLOCK_AGGREGATIONS),
+    "kl_mode": one_of(tepo.KL_MODES), "clip_choice": one_of(tepo.CLIP_CHOICES),
+    "block_ratio": one_of(tepo.BLOCK_RATIOS), "block_agg": one_of(tepo.BLOCK_AGGREGATIONS),
     "clip_cov_ratio": fraction(), "kl_cov_ratio": fraction(),
 }
 
@@ -237,6 +238,8 @@ RELATIONS = [
     ("recompute_old_logprobs", "on (or leave it out) with --no-fast (the plain path's old log-probs come from a "
      "forward pass), or drop --no-fast", lambda a: a.fast or a.recompute_old_logprobs is not False),
     ("device", "auto or cpu: CUDA is not available here", lambda a: a.device != "cuda" or torch.cuda.is_available()),
+    ("optimizer", "adam with --engine trl (TRL's GRPOTrainer makes its own optimizer), or --engine tepo",
+     lambda a: a.optimizer == "adam" or a.engine == "tepo"),
     ("resume", "a run directory alone: --resume cannot be combined with --compare or --bench",
      lambda a: a.resume is None or not (a.compare or a.bench)),
     ("bench", "off with --compare (one mode at a time)", lambda a: not (a.bench and a.compare)),

@@ -5,7 +5,8 @@ calls measure_step with it). One metrics.jsonl row's measurements, and for TEPO 
     entropy and Cov(log pi, A); how far the sampler's and the bf16 forward's log-probs are from their references;
   - the entropy change of the update, predicted against measured (tepokit/diagnostics/entropy_check.py);
   - what each mechanism of the objective did at the step's last optimizer step (tepokit/diagnostics/mechanisms.py);
-  - the rollout's forking tokens, and the hidden-type task's strategies (tepokit/diagnostics/forking_tokens.py);
+  - the rollout's forking tokens, and the hidden-type task's strategies (tepokit/diagnostics/forking_tokens.py),
+    and which of its completions the clip took out of the update (tepokit/diagnostics/band.py);
   - for TEPO, where its KL mask fell in each mini-batch (tepokit/diagnostics/kl_mask_details.py), rebuilt from
     what the loss saw, so it is the mask the update used.
 
@@ -25,7 +26,8 @@ import tepo
 from tepokit.core.forward import completion_logits, token_logprobs
 from tepokit.core.taps import UpdateTaps
 from tepokit.diagnostics.entropy_check import NO_ENTROPY_CHANGE, checked_rows, entropy_check
-from tepokit.diagnostics.forking_tokens import decision_mask, rollout_fork_metrics
+from tepokit.diagnostics.band import band_clips
+from tepokit.diagnostics.forking_tokens import decision_mask, rollout_fork_metrics, strategy_of
 from tepokit.diagnostics.kl_mask_details import kl_mask_details
 from tepokit.diagnostics.mechanisms import effect_check_interval, mechanism_effects, mechanisms
 
@@ -75,6 +77,9 @@ def measure_step(run, step: int, record, taps: UpdateTaps) -> tuple[dict, dict |
     row |= rollout_fork_metrics(record.texts, types, seen.entropy, seen.logp, record.adv, batch.completion_mask,
                                 record.scored["strict"], G, one_token_per_character, each_row("answer"),
                                 each_row("cue"))
+    if types is not None and one_token_per_character:     # which completions the clip took out (band.py)
+        row |= band_clips(settings.objective, run.cfg, record.loss_saw, seen.logp, record.adv, batch.completion_mask,
+                          [strategy_of(text) for text in record.texts], each_row("cue"))
     details = None
     if run.details_path:
         saw = [[(rows, logp, entropy if entropy is not None else taps.kept_entropies[i][j])

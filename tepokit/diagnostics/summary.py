@@ -4,19 +4,22 @@ evaluated."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
 from tqdm.auto import tqdm
 
-from tepokit.plumbing.rundir import write_json
+from tepokit.plumbing.rundir import code_version, utc_now, write_json
 from tepokit.diagnostics.stats import MIN_STEPS_FOR_R, accuracy_auc, pearson, wald_half_width
 from tepokit.setup.task import HIDDEN_TYPES
 
 
-def write_summary(run_dir: str, rows: list[dict], args, wall: float) -> dict:
+def write_summary(run_dir: str, rows: list[dict], args, wall: float, finished: dict | None = None) -> dict:
     """summary.json: start and final held-out accuracy, its area under the curve, final pass@k,
-    entropy-change correlation, wall time."""
+    entropy-change correlation, wall time; when the run started (config.json's started_at) and finished, and the
+    code that finished it. finished: the finished_at and code of a summary written before (--compare reads a
+    finished run back), else now and the code that runs."""
     evals = [r for r in rows if "eval/accuracy" in r]
     # Steps that made an update (DAPO's filter can skip one: no update, no entropy change to predict), and
     # those of them that ran the entropy check (every --entropy-check-every steps).
@@ -56,9 +59,20 @@ def write_summary(run_dir: str, rows: list[dict], args, wall: float) -> dict:
     if not math.isfinite(summary["entropy_change_correlation"]):       # null in the file: say why
         summary["entropy_change_correlation_missing"] = (f"too few steps: fewer than {MIN_STEPS_FOR_R} with a "
                                                          f"finite entropy check (--entropy-check-every)")
+    summary["started_at"] = started_at(run_dir)      # None: a run from before the stamps
+    summary |= finished if finished is not None else {"finished_at": utc_now(), "code": code_version()}
     write_json(os.path.join(run_dir, "summary.json"), summary)
     print_summary(summary, rows, args, wall)
     return summary
+
+
+def started_at(run_dir: str) -> str | None:
+    """When the run started, as its config.json says (None if it does not: runs from before the stamps)."""
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            return json.load(f).get("started_at")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def first_and_last_means(rows: list[dict], key: str) -> tuple:

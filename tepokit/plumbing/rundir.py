@@ -13,6 +13,7 @@ import os
 import random
 import re
 import shutil
+import subprocess
 import tempfile
 import time
 
@@ -351,9 +352,30 @@ def truncate_log(path: str, first_step: int) -> None:
     write_atomically(path, lambda f: f.write("".join(to_json(r) + "\n" for r in kept).encode()))
 
 
+def utc_now() -> str:
+    """The time now, to the second, in UTC: 2026-11-27T12:00:00Z."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def code_version() -> dict:
+    """The code that runs: its git commit and whether tracked files differ from it ({"commit": None, ...} outside a
+    git clone). config.json records it at the start, summary.json at the end: a run's files then say what made them
+    and when, so that "designed before its runs" can be checked against the commits."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head, changes = (subprocess.run(["git", "-C", here, *cmd], capture_output=True, text=True, timeout=30)
+                         for cmd in (["rev-parse", "HEAD"], ["status", "--porcelain", "--untracked-files=no"]))
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "uncommitted_changes": None}
+    if head.returncode != 0 or changes.returncode != 0:
+        return {"commit": None, "uncommitted_changes": None}
+    return {"commit": head.stdout.strip(), "uncommitted_changes": bool(changes.stdout.strip())}
+
+
 def start_logs(run_dir: str, config: dict, logs: list[str]) -> None:
-    """A fresh run: its config.json (what --resume reads back) and its logs, created empty."""
-    write_json(os.path.join(run_dir, "config.json"), config)
+    """A fresh run: its config.json (what --resume reads back), stamped with its start time and code, and its
+    logs, created empty."""
+    write_json(os.path.join(run_dir, "config.json"), {**config, "started_at": utc_now(), "code": code_version()})
     for path in logs:
         open(path, "w").close()
 

@@ -5,6 +5,9 @@ import json
 import math
 import os
 import re
+import subprocess
+import tempfile
+import time
 
 import pytest
 import torch
@@ -17,7 +20,8 @@ from tepokit.core.step_settings import step_settings
 from tepokit.diagnostics.summary import accuracy_with_interval
 from tepokit.core.taps import UpdateTaps
 from tepokit.diagnostics.entropy_check import checked_rows
-from tepokit.tests.helpers import (F64, MICRO, assert_close, brute_force_pass_at_k, hand_batch, micro_run,
+from tepokit.cli import flags as cli
+from tepokit.tests.helpers import (F64, MICRO, REPO, assert_close, brute_force_pass_at_k, hand_batch, micro_run,
                                    old_policy_and_update, read_details, read_rows, run_main, start_process,
                                    without_timing)
 
@@ -458,6 +462,56 @@ def test_the_cue_variant_logs_how_often_the_policy_follows_the_cue(workdir):
     assert all(0 <= r["forks/cue_share"] <= 1 for r in rows[1:])
     assert all(0 <= r["eval/cue_share"] <= 1 and r["eval/solved_by_either"] >= 0 for r in (rows[0], rows[-1]))
     assert json.load(open(os.path.join(out, "config.json")))["args"]["cue"] == 0.9
+    # which completions the clip took out of the second optimizer step (band.py): one group of 4, so at most 4 rows
+    for r in rows[1:]:
+        counted = {k: v for k, v in r.items() if k.startswith("band/")}
+        assert len(counted) == 24 and sum(v for k, v in counted.items() if k.endswith("/rows")) <= 4
+        assert all(counted[k.replace("/rows", "/clipped")] <= v for k, v in counted.items() if k.endswith("/rows"))
+
+
+def test_a_run_records_when_it_started_and_finished_and_the_code_that_ran(workdir):
+    """config.json: started_at and the code (git commit, uncommitted changes) at the start; summary.json: the same
+    start, finished_at and the code at the end. --compare reading the run back keeps its finish, not its own time."""
+    out = "runs/stamped"
+    run_main([*MICRO, "--objective", "grpo", "--optimizer", "sgd", "--lr", "0.1", "--steps", "1", "--out", out])
+    config, summary = (json.load(open(os.path.join(out, name))) for name in ("config.json", "summary.json"))
+    assert summary["started_at"] == config["started_at"] <= summary["finished_at"]
+    assert time.strptime(summary["finished_at"], "%Y-%m-%dT%H:%M:%SZ")
+    head = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert config["code"]["commit"] == summary["code"]["commit"] == (head or None)
+    assert config["args"]["optimizer"] == "sgd"
+    summary["finished_at"] = "2000-01-01T00:00:00Z"        # as if written long ago: a read back keeps it
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f)
+    os.makedirs("runs/cmp_stamped", exist_ok=True)
+    os.rename(out, "runs/cmp_stamped/grpo__1")
+    run_main([*MICRO, "--optimizer", "sgd", "--lr", "0.1", "--steps", "1", "--compare", "grpo", "--seeds", "1",
+              "--out", "runs/cmp_stamped"])
+    assert json.load(open("runs/cmp_stamped/grpo__1/summary.json"))["finished_at"] == "2000-01-01T00:00:00Z"
+
+
+def test_sgd_makes_plain_steps_of_lr_times_the_clipped_gradient():
+    """--optimizer sgd: torch's SGD without momentum, so an optimizer step moves every parameter by -lr x its
+    gradient after clipping (checked on one step of a micro run)."""
+    args, overrides = cli.parse_args(ts.Args, [*MICRO, "--optimizer", "sgd", "--lr", "0.1", "--steps", "1",
+                                                        "--out", os.path.join(tempfile.mkdtemp(), "r")])
+    run = ts.start_run(args, overrides)
+    assert type(run.optimizer) is torch.optim.SGD and run.optimizer.defaults["momentum"] == 0
+    before, grads = [], []
+
+    def observe(i, n, batch, micro_batches, model):
+        before.append([p.detach().clone() for p in model.parameters()])
+        norm = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters() if p.grad is not None))
+        scale = min(1.0, run.args.max_grad_norm / (norm.item() + 1e-6))
+        grads.append([p.grad.clone() * scale if p.grad is not None else None for p in model.parameters()])
+    ts.rl_step(run, 1, observe=observe)
+    lr = ts.learning_rate(1, run.args)
+    assert before, "no optimizer step"
+    after = before[1:] + [[p.detach() for p in run.model.parameters()]]
+    for b, a, g in zip(before[-1:], after[-1:], grads[-1:]):
+        for p_before, p_after, grad in zip(b, a, g):
+            expected = p_before - lr * grad if grad is not None else p_before
+            torch.testing.assert_close(p_after, expected, rtol=1e-5, atol=1e-7)
 
 
 def test_two_runs_of_one_command_started_together_write_the_same_rows(tmp_path):

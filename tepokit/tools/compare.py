@@ -85,17 +85,22 @@ def run_or_resume(args, objective: str, seed: int, run_dir: str, train, obj_over
         if not any("eval/accuracy" in r for r in rows):
             fail(f"--compare: {os.path.join(run_dir, 'metrics.jsonl')} is missing or holds no evaluation; move "
                  f"{run_dir} away and the same command runs it again (nothing was changed)")
-        return write_summary(run_dir, rows, run, wall)
+        previous = read_part(os.path.join(run_dir, "summary.json"), None)
+        before = {key: previous[key] for key in FINISHED if key in previous}
+        return write_summary(run_dir, rows, run, wall, finished=before)
     if os.path.exists(os.path.join(run_dir, "checkpoint.pt")):
         return train(dataclasses.replace(run, resume=run_dir), obj_overrides)
     return train(dataclasses.replace(run, overwrite=True), obj_overrides)    # nothing to keep before checkpoint 0
 
 
-def read_part(path: str, key: str):
+FINISHED = ("finished_at", "code")        # what a summary says of the run's end: kept when it is read back
+
+
+def read_part(path: str, key: str | None):
     """`key` of the JSON object in `path`, a file of a run --compare reads back; one line if it is damaged."""
     try:
         with open(path) as f:
-            return json.load(f)[key]
+            return json.load(f)[key] if key is not None else json.load(f)      # None: the whole object
     except (OSError, ValueError, KeyError, TypeError) as e:     # JSON errors are ValueErrors
         fail(f"--compare: {path} is damaged ({type(e).__name__}: {first_line(e) or 'empty'}); move "
              f"{os.path.dirname(path)} away and the same command runs it again (nothing was changed)")

@@ -54,8 +54,9 @@ from tepokit.plumbing.hub import without_transformers_bars
 from tepokit.setup.model import prepare_start_model
 from tepokit.plumbing.report import trackers_of, warn_failed
 from tepokit.cli.resume import CANNOT_RESUME, check_same_run, newest_whole_trl_checkpoint, set_aside_trl_checkpoints
-from tepokit.plumbing.rundir import (claim_run_dir, read_log, run_identity, run_name, save_pretrained_atomically,
-                            seed_everything, to_json, write_atomically, write_json)
+from tepokit.plumbing.rundir import (claim_run_dir, code_version, read_log, run_identity, run_name,
+                                     save_pretrained_atomically, seed_everything, to_json, utc_now, write_atomically,
+                                     write_json)
 from tepokit.plumbing.signals import StopSignals, stopped_after
 from tepokit.setup.task import load_task, task_fingerprint
 from tepokit.core.reward import format_prompt, gold_answer, score_completions
@@ -355,7 +356,8 @@ def train(args, obj_overrides: dict, evaluate) -> dict:
                 "args": dataclasses.asdict(args), "objective_overrides": obj_overrides,
                 "objective_config": dataclasses.asdict(trainer.objective_config), "identity": identity,
                 "start_model": start_model, "engine": "trl", "not_carried_over": skipped,
-                "grpo_config": json.loads(json.dumps(config.to_dict(), default=str))})
+                "grpo_config": json.loads(json.dumps(config.to_dict(), default=str)),
+                "started_at": utc_now(), "code": code_version()})
             before = {"step": 0, **evaluate(trainer.model, trainer.processing_class, test, args, device)}
             write_atomically(metrics_path, lambda f: f.write((to_json(before) + "\n").encode()))
     resume_from = resume_checkpoint(run_dir, state, optimizer_steps) if args.resume else None
