@@ -1,6 +1,6 @@
 """The statistics the runs report: Pearson's r, the Wald interval of an accuracy, pass@k (Chen et al. 2021), the
-area under the accuracy curve, Student's t intervals (closed form, no SciPy) for paired differences over seeds, and
-a mini-batch's metrics from its micro-batches'."""
+area under the accuracy curve, Student's t intervals (closed form, no SciPy) for paired differences over seeds and
+their p-values, Fisher's exact test of two counts of successes, and Holm's correction of a family of p-values."""
 
 from __future__ import annotations
 
@@ -105,3 +105,57 @@ def student_t_central(t: float, dof: int) -> float:
         series += term
         term *= (2 * j + 1) / (2 * j + 2) * cos2
     return sin * series
+
+
+def paired_t_p(values: list[float]) -> float:
+    """Two-sided p-value of the one-sample t test that the mean of `values` is 0 (for paired differences: one
+    value per seed), t = mean / (std / sqrt(n)) with n - 1 degrees of freedom, std with n - 1, so that p < 0.05
+    exactly when t_interval's 95% interval leaves out 0. With fewer than two values there is no test (nan).
+    Zero variance (every value equal) makes t infinite or undefined: p = 1 when the values are all 0 and p = 0
+    otherwise, a limit, not a measurement: five seeds that agree to the logged digits say nothing about the
+    spread a sixth would show."""
+    n = len(values)
+    if n < 2:
+        return float("nan")
+    mean = sum(values) / n
+    variance = sum((v - mean) ** 2 for v in values) / (n - 1)
+    if variance == 0:
+        return 1.0 if mean == 0 else 0.0
+    t = abs(mean) / math.sqrt(variance / n)
+    return max(0.0, 1.0 - student_t_central(t, n - 1))
+
+
+def fisher_exact_two_sided(a_success: int, a_n: int, b_success: int, b_n: int) -> float:
+    """Two-sided p-value of Fisher's exact test of the 2x2 table (successes and failures of arms a and b):
+    with the margins fixed, the successes of arm a follow the hypergeometric distribution; p is the total
+    probability of every table at most as probable as the observed one (relative tolerance 1e-7 for the ties of
+    floating point, as SciPy's fisher_exact). Symmetric in the two arms; 5/5 against 0/5 gives 2/252."""
+    if not (0 <= a_success <= a_n and 0 <= b_success <= b_n):
+        raise ValueError(f"successes must lie in [0, n]: {a_success}/{a_n}, {b_success}/{b_n}")
+    probabilities = hypergeometric_table_probabilities(a_success + b_success, a_n, b_n)
+    observed = probabilities[a_success]
+    return min(1.0, sum(p for p in probabilities.values() if p <= observed * (1 + 1e-7)))
+
+
+def hypergeometric_table_probabilities(successes: int, a_n: int, b_n: int) -> dict[int, float]:
+    """{successes of arm a: probability} over every 2x2 table with these margins: C(a_n, x) C(b_n, successes - x)
+    / C(a_n + b_n, successes)."""
+    total = math.comb(a_n + b_n, successes)
+    low, high = max(0, successes - b_n), min(a_n, successes)
+    return {x: math.comb(a_n, x) * math.comb(b_n, successes - x) / total for x in range(low, high + 1)}
+
+
+def holm(pvalues: dict[str, float], alpha: float = 0.05) -> dict[str, dict]:
+    """Holm's step-down correction of a family of p-values (Holm 1979): sorted ascending, the i-th smallest of m
+    is multiplied by m - i + 1; the adjusted p-values are made monotone (each at least the one before it) and
+    capped at 1. A hypothesis is rejected when its adjusted p is at most alpha, which controls the chance of any
+    false rejection in the family at alpha. Returns {name: {"p", "adjusted_p", "rejected"}}. A nan p-value (no
+    test) has no place in a family: leave it out."""
+    if any(math.isnan(p) for p in pvalues.values()):
+        raise ValueError("holm: a p-value is nan; leave the comparisons without a test out of the family")
+    order = sorted(pvalues, key=lambda name: pvalues[name])
+    m, running_max, out = len(order), 0.0, {}
+    for i, name in enumerate(order):
+        running_max = max(running_max, min(1.0, (m - i) * pvalues[name]))
+        out[name] = {"p": pvalues[name], "adjusted_p": running_max, "rejected": running_max <= alpha}
+    return out
