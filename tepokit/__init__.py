@@ -4,7 +4,8 @@ this list (a folder imports the ones below it, never one above), and nothing imp
   tools/        what a user runs beside training: memory.py (the memory plan, --dry-run,
                 --check-memory-on-device), bench.py (--bench: our step against TRL's GRPOTrainer), compare.py
                 (--compare: objectives x seeds, paired by seed), tepo_trl.py (--engine trl), plot.py
-                (python -m tepokit.tools.plot RUN_DIR: a run's figures, shared with the notebooks)
+                (python -m tepokit.tools.plot RUN_DIR: a run's figures, shared with the notebooks),
+                collapse_numbers.py (docs/collapse.md's numbers recomputed from the committed logs)
   cli/          the command line: flags.py (one flag per field, --regime, --demo), validation.py (valid values),
                 helptext.py (what --help shows), resume.py (the rules of --resume)
   diagnostics/  every measurement, run after the RL step from its record: after_step.py (the step's measurements,
