@@ -5,14 +5,15 @@ this list (a folder imports the ones below it, never one above), and nothing imp
                 --check-memory-on-device), bench.py (--bench: our step against TRL's GRPOTrainer), compare.py
                 (--compare: objectives x seeds, paired by seed), tepo_trl.py (--engine trl), plot.py
                 (python -m tepokit.tools.plot RUN_DIR: a run's figures, shared with the notebooks),
-                collapse_numbers.py (docs/collapse.md's numbers recomputed from the committed logs)
+                collapse_numbers.py and band_numbers.py (docs/collapse.md's numbers from the committed logs)
   cli/          the command line: flags.py (one flag per field, --regime, --demo), validation.py (valid values),
                 helptext.py (what --help shows), resume.py (the rules of --resume)
   diagnostics/  every measurement, run after the RL step from its record: after_step.py (the step's measurements,
                 and the taps they ask of the update), entropy_check.py (predicted against measured entropy
                 change), mechanisms.py (what each mechanism did at a real optimizer step), forking_tokens.py
-                (the decision tokens of a rollout), kl_mask_details.py (details.jsonl: where TEPO's KL mask
-                falls), stats.py (pass@k, intervals), summary.py (the progress line and summary.json)
+                (the decision tokens of a rollout), band.py (which completions the clip takes out),
+                kl_mask_details.py (details.jsonl: where TEPO's KL mask falls), stats.py (pass@k, intervals, exact
+                tests, Holm's correction), summary.py (the progress line and summary.json)
   setup/        the task and the model: task.py (the built-in tasks, data sets, their checks), model.py (the
                 character tokenizer, the tiny model and its warm-up, loading a real model, the device)
   core/         what the RL step calls, and nothing else: forward.py (completion logits, memory-bounded log-probs
