@@ -107,7 +107,10 @@ LABELS |= {"grpo_beta=0": "GRPO, beta = 0",
            # TEPO without its mask, one of its other settings put back to GRPO's (docs/collapse.md)
            "tepo_beta=0_eps_low=0.2_eps_high=0.2": "TEPO, beta = 0, GRPO's clip range",
            "tepo_beta=0_aggregation=seq-mean-token-mean": "TEPO, beta = 0, per-sequence mean",
-           "tepo_beta=0_dynamic_sampling=off": "TEPO, beta = 0, every group trains"}
+           "tepo_beta=0_dynamic_sampling=off": "TEPO, beta = 0, every group trains",
+           # why the band explores (docs/collapse.md): arms that change what the band clips
+           "tepo_beta=0_clip_choice=random": "random drop, the band's rate", "tepo_beta=0_eps_low=1": "clip above only",
+           "tepo_beta=0_eps_high=1e9": "clip below only"}
 COLORS |= {"grpo_beta=0": plt.cm.tab20.colors[1], "tepo_entropy_criterion=measured": plt.cm.tab20.colors[9],
            "dapo_dynamic_sampling=off": plt.cm.tab20.colors[5],
            "clip_cov_clip_cov_ratio=0.01": COLORS["clip_cov"], "kl_cov_kl_cov_ratio=0.1": COLORS["kl_cov"]}
@@ -175,7 +178,9 @@ def describe(run: dict) -> str:
 COMPARISONS = {"standard": "standard_regime_2026-11-24", "collapse": "collapse_regime_2026-11-24",
                "epochs4": "epochs4_2026-11-24", "hidden_type": "hidden_type_2026-11-25",
                "off_policy": "hidden_type_off_policy_2026-11-26", "cue": "hidden_type_cue_2026-11-26",
-               "cue_400": "hidden_type_cue_400_2026-11-26"}
+               "cue_400": "hidden_type_cue_400_2026-11-26", "band": "band_mechanism_2026-11-27",
+               "band_sgd": "band_mechanism_sgd_2026-11-27", "grpo_lr3e-4": "grpo_lr3e-4_cue_400_2026-11-27",
+               "grpo_lr3e-5": "grpo_lr3e-5_cue_400_2026-11-27"}
 
 
 def comparison_dir(name: str) -> Path:

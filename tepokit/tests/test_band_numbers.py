@@ -49,6 +49,9 @@ def test_primary_comparisons_count_seeds_test_them_exactly_and_correct_for_five(
     outcome = band_numbers.outcome_rows(str(tmp_path))
     assert any("random drop" in line and "0 of 3" in line and "0.730-0.730" in line for line in outcome)
     assert any("the band (" in line and "3 of 3" in line for line in outcome)
+    # steps 1-50, seeds pooled: rewarded + on adding items 12 rows, 9 clipped; rewarded * on multiplying items 8, 2
+    window = next(line for line in band_numbers.band_windows(str(tmp_path), "band") if line.startswith("| 1-50 |"))
+    assert window == "| 1-50 | 12, 0.75 | 0, - | 8, 0.25 | 0, - |"
     stamps = band_numbers.stamps(str(tmp_path))
     assert sum("2026-11-27T12:10:00Z | 2026-11-27T12:20:00Z | abc (False)" in line for line in stamps) == 6
 

@@ -145,7 +145,7 @@ def test_the_committed_logs_give_the_pages_headline_numbers():
     assert cn.interval_text(grpo_range, 1) == "-17.2 (-18.2 to -16.3)"       # "GRPO's clip range" on the page
     counts = [cn.learned_cue_counts(cn.runs_by_seed(cue400, e))["learned"] for e in [cn.TEPO0, *cn.ONE_AT_A_TIME]]
     assert counts == [5, 0, 4, 5]
-    grpo = cn.runs_by_seed(os.path.join(LOGS, cn.OFF_POLICY), cn.GRPO)
+    grpo = cn.runs_by_seed(os.path.join(LOGS, cn.OFF_POLICY), cn.GRPO0)
     seed1 = cn.mechanism_acts({1: grpo[1]}, "clip_low")
     assert (seed1["acts"], seed1["with_gradient"], seed1["checked"]) == (10, 12, 37)   # the page's 10/12; 10/37
     upper = cn.mechanism_acts(grpo, "clip_high")                  # step 4's "17 of 64 checked steps", of 5 x 37

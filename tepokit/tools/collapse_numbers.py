@@ -216,7 +216,7 @@ def mechanism_acts(run_dirs: list[str] | dict[int, str], mechanism: str) -> dict
 CUE150, CUE400 = "hidden_type_cue_2026-11-26", "hidden_type_cue_400_2026-11-26"
 ONE_UPDATE, OFF_POLICY = "hidden_type_cue_400_one_update_2026-11-26", "hidden_type_off_policy_2026-11-26"
 CLIP_COV_CONTROL = "clip_cov_control_2026-11-26"
-GRPO, TEPO0 = "grpo_beta=0", "tepo_beta=0"
+GRPO0, TEPO0 = "grpo_beta=0", "tepo_beta=0"
 CLIP_COV, CLIP_COV0 = "clip_cov_clip_cov_ratio=0.01", "clip_cov_clip_cov_ratio=0"
 KL_COV, KL_COV0, EPS_HIGH = "kl_cov_kl_cov_ratio=0.1", "kl_cov_kl_cov_ratio=0.1_beta=0", "grpo_beta=0_eps_high=0.28"
 SCALED_BOUNDS = "clip_cov_clip_cov_ratio=0.01_clip_cov_lb=0.02_clip_cov_ub=0.1"
@@ -228,22 +228,22 @@ FOUR = ("pass@1", "pass@16", "cue_share", "matched_pass@16")
 # the page's "mean (low to high)" of each measure, separated by "|")]), as docs/collapse.md states them.
 PAGE_TABLES = [
     ("A variant where exploring pays", CUE150, CUE150, FOUR, [
-        (CLIP_COV, GRPO, "+1.8 (-5.9 to +9.5)|+14.4 (+3.9 to +24.9)|+3.3 (-5.9 to +12.4)|+15.0 (+3.8 to +26.2)"),
-        ("tepo", GRPO, "+2.5 (-2.1 to +7.2)|+10.0 (+1.0 to +19.0)|+5.3 (-3.8 to +14.5)|+10.2 (+6.9 to +13.5)")]),
+        (CLIP_COV, GRPO0, "+1.8 (-5.9 to +9.5)|+14.4 (+3.9 to +24.9)|+3.3 (-5.9 to +12.4)|+15.0 (+3.8 to +26.2)"),
+        ("tepo", GRPO0, "+2.5 (-2.1 to +7.2)|+10.0 (+1.0 to +19.0)|+5.3 (-3.8 to +14.5)|+10.2 (+6.9 to +13.5)")]),
     ("400 steps, each remedy against its own control", CUE400, CUE400, FOUR, [
-        (EPS_HIGH, GRPO, "-0.0 (-0.1 to +0.1)|-0.2 (-0.8 to +0.4)|+0.0 (-0.0 to +0.1)|+0.0 (-1.5 to +1.5)"),
-        (CLIP_COV, GRPO, "+13.8 (+4.3 to +23.2)|+13.2 (+3.9 to +22.5)|+19.2 (+5.9 to +32.4)|+16.0 (+3.9 to +28.1)"),
-        (CLIP_COV0, GRPO, "-0.1 (-0.5 to +0.4)|-0.6 (-1.7 to +0.5)|+0.1 (+0.0 to +0.3)|-0.4 (-1.5 to +0.7)"),
-        ("tepo", GRPO, "+16.8 (+15.8 to +17.8)|+17.2 (+16.2 to +18.2)|+23.8 (+23.5 to +24.1)|+12.8 (+9.1 to +16.5)"),
-        (TEPO0, GRPO, "+17.2 (+16.4 to +18.0)|+17.6 (+15.7 to +19.5)|+23.5 (+23.1 to +24.0)|+6.4 (+1.4 to +11.4)"),
-        (KL_COV, GRPO, "+6.4 (-4.4 to +17.2)|+7.6 (-5.9 to +21.1)|+9.2 (-6.5 to +24.9)|+1.6 (-1.0 to +4.2)"),
-        (KL_COV0, GRPO, "+0.0 (-0.4 to +0.4)|-0.4 (-2.3 to +1.5)|+0.1 (-0.0 to +0.3)|-0.8 (-2.4 to +0.8)")]),
+        (EPS_HIGH, GRPO0, "-0.0 (-0.1 to +0.1)|-0.2 (-0.8 to +0.4)|+0.0 (-0.0 to +0.1)|+0.0 (-1.5 to +1.5)"),
+        (CLIP_COV, GRPO0, "+13.8 (+4.3 to +23.2)|+13.2 (+3.9 to +22.5)|+19.2 (+5.9 to +32.4)|+16.0 (+3.9 to +28.1)"),
+        (CLIP_COV0, GRPO0, "-0.1 (-0.5 to +0.4)|-0.6 (-1.7 to +0.5)|+0.1 (+0.0 to +0.3)|-0.4 (-1.5 to +0.7)"),
+        ("tepo", GRPO0, "+16.8 (+15.8 to +17.8)|+17.2 (+16.2 to +18.2)|+23.8 (+23.5 to +24.1)|+12.8 (+9.1 to +16.5)"),
+        (TEPO0, GRPO0, "+17.2 (+16.4 to +18.0)|+17.6 (+15.7 to +19.5)|+23.5 (+23.1 to +24.0)|+6.4 (+1.4 to +11.4)"),
+        (KL_COV, GRPO0, "+6.4 (-4.4 to +17.2)|+7.6 (-5.9 to +21.1)|+9.2 (-6.5 to +24.9)|+1.6 (-1.0 to +4.2)"),
+        (KL_COV0, GRPO0, "+0.0 (-0.4 to +0.4)|-0.4 (-2.3 to +1.5)|+0.1 (-0.0 to +0.3)|-0.8 (-2.4 to +0.8)")]),
     ("400 steps, each remedy against its own control", CUE400, CUE400, FOUR[:3], [
         (CLIP_COV, CLIP_COV0, "+13.8 (+4.3 to +23.3)|+13.8 (+4.1 to +23.5)|+19.0 (+5.8 to +32.3)"),
         ("tepo", TEPO0, "-0.4 (-1.9 to +1.1)|-0.4 (-2.3 to +1.5)|+0.3 (-0.2 to +0.8)"),
         (KL_COV, KL_COV0, "+6.4 (-4.7 to +17.5)|+8.0 (-5.7 to +21.7)|+9.1 (-6.6 to +24.8)")]),
     ("400 steps, each remedy against its own control", CUE400, CUE400, ("cue_share_gain",), [
-        (GRPO, None, "+0.1 (-0.1 to +0.2)"), (EPS_HIGH, None, "+0.2 (-0.0 to +0.4)"),
+        (GRPO0, None, "+0.1 (-0.1 to +0.2)"), (EPS_HIGH, None, "+0.2 (-0.0 to +0.4)"),
         (CLIP_COV, None, "+16.0 (+1.9 to +30.0)"), (CLIP_COV0, None, "-0.0 (-0.2 to +0.2)"),
         ("tepo", None, "+18.6 (+9.7 to +27.4)"), (TEPO0, None, "+22.8 (+20.4 to +25.1)"),
         (KL_COV, None, "+9.2 (-6.6 to +25.0)"), (KL_COV0, None, "-0.0 (-0.3 to +0.3)")]),
@@ -255,14 +255,14 @@ PAGE_TABLES = [
         (ONE_AT_A_TIME[1], TEPO0, "-5.0 (-13.1 to +3.1)|-5.7 (-18.0 to +6.5)"),
         (ONE_AT_A_TIME[2], TEPO0, "-0.5 (-1.8 to +0.8)|+0.1 (-0.7 to +0.9)")]),
     ("Only a smaller update? (one optimizer step per rollout)", ONE_UPDATE, CUE400, ("pass@1", "cue_share"), [
-        (GRPO, GRPO, "-0.2 (-0.8 to +0.4)|+0.0 (-0.2 to +0.2)"),
-        (GRPO, TEPO0, "-17.4 (-18.4 to -16.5)|-23.5 (-24.0 to -23.0)")]),
+        (GRPO0, GRPO0, "-0.2 (-0.8 to +0.4)|+0.0 (-0.2 to +0.2)"),
+        (GRPO0, TEPO0, "-17.4 (-18.4 to -16.5)|-23.5 (-24.0 to -23.0)")]),
     ("The remedies against GRPO, five seeds (step 4)", OFF_POLICY, OFF_POLICY,
      ("pass@1", "pass@16", "matched_pass@16", "decision_entropy"), [
-        (CLIP_COV, GRPO, "+1.0 (-6.0 to +8.0)|+0.4 (-1.7 to +2.5)|+0.6 (-0.5 to +1.7)|-0.010 (-0.016 to -0.004)"),
-        (KL_COV, GRPO, "+0.3 (-3.2 to +3.7)|+0.0 (-1.5 to +1.5)|-0.0 (-2.0 to +2.0)|+0.004 (-0.029 to +0.037)"),
-        ("tepo", GRPO, "+1.8 (-3.0 to +6.5)|+0.6 (-4.9 to +6.1)|+3.2 (-6.9 to +13.3)|+0.020 (-0.010 to +0.051)"),
-        (TEPO0, GRPO, "+2.0 (-2.1 to +6.1)|+0.8 (-1.6 to +3.2)|+1.6 (-1.3 to +4.5)|+0.008 (+0.004 to +0.012)")]),
+        (CLIP_COV, GRPO0, "+1.0 (-6.0 to +8.0)|+0.4 (-1.7 to +2.5)|+0.6 (-0.5 to +1.7)|-0.010 (-0.016 to -0.004)"),
+        (KL_COV, GRPO0, "+0.3 (-3.2 to +3.7)|+0.0 (-1.5 to +1.5)|-0.0 (-2.0 to +2.0)|+0.004 (-0.029 to +0.037)"),
+        ("tepo", GRPO0, "+1.8 (-3.0 to +6.5)|+0.6 (-4.9 to +6.1)|+3.2 (-6.9 to +13.3)|+0.020 (-0.010 to +0.051)"),
+        (TEPO0, GRPO0, "+2.0 (-2.1 to +6.1)|+0.8 (-1.6 to +3.2)|+1.6 (-1.3 to +4.5)|+0.008 (+0.004 to +0.012)")]),
     ("TEPO's mask on against off (step 3)", OFF_POLICY, OFF_POLICY,
      ("decision_entropy", "token_entropy", "pass@1", "pass@16", "pass@16/mul"), [
         ("tepo", TEPO0, "+0.013 (-0.017 to +0.043)|+0.0005 (-0.0030 to +0.0040)|-0.2 (-3.3 to +2.8)|"
@@ -274,10 +274,10 @@ PAGE_TABLES = [
 ]
 
 # The page's counts of seeds that learned the cue, where it states them (the pairs tested are those of PAGE_TABLES).
-PAGE_CUE_COUNTS = {(CUE400, e): k for e, k in [(GRPO, 0), (EPS_HIGH, 0), (CLIP_COV, 4), (CLIP_COV0, 0), ("tepo", 5),
+PAGE_CUE_COUNTS = {(CUE400, e): k for e, k in [(GRPO0, 0), (EPS_HIGH, 0), (CLIP_COV, 4), (CLIP_COV0, 0), ("tepo", 5),
                                                 (TEPO0, 5), (KL_COV, 2), (KL_COV0, 0), (SCALED_BOUNDS, 0),
                                                 (ONE_AT_A_TIME[0], 0), (ONE_AT_A_TIME[1], 4), (ONE_AT_A_TIME[2], 5)]}
-PAGE_CUE_COUNTS[ONE_UPDATE, GRPO] = 0
+PAGE_CUE_COUNTS[ONE_UPDATE, GRPO0] = 0
 
 # The mechanism tables: (table, directory, entry, seeds or None for all, mechanism, the page's "acts on").
 MECHANISM_ROWS = [
@@ -285,10 +285,10 @@ MECHANISM_ROWS = [
         ("tepo", (1,), "kl_mask", "31/36"), ("tepo", (2,), "kl_mask", "26/34"), ("tepo", (3,), "kl_mask", "31/36"),
         ("tepo", (4,), "kl_mask", "32/37"), ("tepo", (5,), "kl_mask", "30/35"), ("tepo", (1,), "clip_high", "22/36"),
         ("tepo", (1,), "clip_low", "25/36"), (KL_COV, (1,), "kl_cov", "37/37"), (CLIP_COV, (1,), "clip_cov", "11/32"),
-        (EPS_HIGH, (1,), "clip_high", "1/9"), (GRPO, (1,), "clip_high", "1/12"), (GRPO, (1,), "clip_low", "10/12")]],
-    ("off-policy step 4 (text)", OFF_POLICY, GRPO, None, "clip_high", "17/64"),
+        (EPS_HIGH, (1,), "clip_high", "1/9"), (GRPO0, (1,), "clip_high", "1/12"), (GRPO0, (1,), "clip_low", "10/12")]],
+    ("off-policy step 4 (text)", OFF_POLICY, GRPO0, None, "clip_high", "17/64"),
     *[("cue, 400 steps", CUE400, entry, None, mechanism, page) for entry, mechanism, page in [
-        (GRPO, "clip_high", "15/249"), (GRPO, "clip_low", "107/249"), (EPS_HIGH, "clip_high", "15/268"),
+        (GRPO0, "clip_high", "15/249"), (GRPO0, "clip_low", "107/249"), (EPS_HIGH, "clip_high", "15/268"),
         (CLIP_COV, "clip_cov", "253/410"), ("tepo", "kl_mask", "357/454"), ("tepo", "clip_high", "258/454"),
         ("tepo", "clip_low", "433/454"), (TEPO0, "clip_high", "273/454"), (TEPO0, "clip_low", "418/454"),
         (KL_COV, "kl_cov", "355/391"), (SCALED_BOUNDS, "clip_cov", "10/331")]],
