@@ -330,8 +330,9 @@ def check_memory_on_device(args, obj_overrides: dict, train) -> dict:
     entropy check on both steps if the run makes it, and an evaluation of a rollout's worth of problems at the
     end; the second step runs with the gradients and Adam's moments of the first. Prints each phase's
     measured peak (torch.cuda.max_memory_allocated on a GPU; on the CPU resident memory above the process's
-    start, which also holds freed blocks) beside its plan, and writes memory_check.json. `train` is
-    train_small.py's run (passed in: the package does not import the script)."""
+    start, which also holds freed blocks, and falls when the allocator gives pages back: a phase that adds
+    little can measure at or below zero, and its plan/measured reads "-") beside its plan, and writes
+    memory_check.json. `train` is train_small.py's run (passed in: the package does not import the script)."""
     if args.compare or args.resume or args.dry_run:
         fail("argument --check-memory-on-device: a mode of its own; run it without --compare, --resume and --dry-run")
     torch.set_num_threads(args.threads)
@@ -405,9 +406,9 @@ def print_check(plan: dict, measured: dict, device, steps: list, args) -> dict:
                for phase in PHASES}
     what = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "resident memory above the start"
     print(f"{'phase':<16}{'plan':>11}{'measured':>11}{'plan/measured':>15}   (measured: {what})")
-    for phase in PHASES:
-        print(f"{phase:<16}{planned[phase] * mib / gib:>7.2f} GiB{measured[phase] * mib / gib:>7.2f} GiB"
-              f"{planned[phase] / measured[phase]:>15.2f}")
+    for phase in PHASES:   # on the CPU a phase that adds less than the allocator has given back measures <= 0
+        ratio = f"{planned[phase] / measured[phase]:.2f}" if measured[phase] > 0 else "-"
+        print(f"{phase:<16}{planned[phase] * mib / gib:>7.2f} GiB{measured[phase] * mib / gib:>7.2f} GiB{ratio:>15}")
     peak = max(measured, key=measured.get)
     print(f"peak: planned {plan['peak'] / gib:.2f} GiB ({plan['phase']}), measured {measured[peak] * mib / gib:.2f} "
           f"GiB ({peak}): plan/measured {plan['peak'] / mib / measured[peak]:.2f}")
