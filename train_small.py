@@ -11,12 +11,12 @@ starting model already has. The same code takes a real model and data set:
 
 Read it top to bottom:
   1. Args             every setting, one flag each (`python train_small.py --help`)
-  2. compute_rewards  the task's reward: 1 for a right `#### n` answer, plus DAPO's length cost
+  2. compute_rewards  the task's rewards (--reward): 1 for a right `#### n` answer, ..., plus DAPO's length cost
   3. the rollout      prompts_for_step, generate_group (G completions per prompt), completion_mask
   4. the RL step      rl_step, as the list of its steps, and nothing but learning:
         1. sample prompts          a fixed, seeded order over the training split            (prompts_for_step)
         2. generate G completions  model.generate at temperature T                          (generate_group)
-        3. score them              strict `#### n` / lenient last-number parsing            (compute_rewards)
+        3. score them              --reward: strict `#### n`, lenient, format; weighted     (compute_rewards)
         4. advantages              tepo.group_advantages; DAPO's filter                     (compute_advantages)
         5. old log-probs           one no-grad forward over prompt + completion per row     (old_policy)
         6. update                  one optimizer step per mini-batch, tepo.OBJECTIVES       (update_policy)
@@ -35,7 +35,8 @@ Simplifications, said plainly:
   - One process, one device, no vLLM. Mini-batches hold whole groups (minibatch_plan says why).
   - DAPO's dynamic sampling drops zero-std groups but does NOT sample more prompts to refill the batch: the
     step trains on fewer groups; with all dropped it makes no update (logged as `dynamic_sampling/skipped` = 1).
-  - Prompts are the question followed by a newline; no chat template is applied.
+  - Prompts are the question and a newline, or with an instruct model's chat template a system prompt stating the
+    answer format and the question (tepokit/core/reward.py); the built-in tasks have no template.
   - The reference model (loaded only when tepo.needs_ref says so) is the model RL starts from.
 
 
@@ -57,8 +58,9 @@ from tepokit.cli import resume
 from tepokit.core.clock import PhaseClock
 from tepokit.core.forward import autocast, completion_logits, eos_ids_of, token_entropy, token_logprobs
 from tepokit.core.metrics import combine_micro_batches
-from tepokit.core.reward import format_prompt, gold_answer, score_completions
+from tepokit.core.reward import encode_prompts, gold_answer, score_completions, weighted_rewards
 from tepokit.diagnostics.after_step import measure_step, step_taps
+from tepokit.diagnostics.completions import CannotLearnWatch, completion_rows
 from tepokit.diagnostics.forking_tokens import eval_by_type
 from tepokit.diagnostics.stats import mean_pass_at_k
 from tepokit.diagnostics.summary import Progress, evaluation_line, write_summary
@@ -70,6 +72,7 @@ from tepokit.plumbing.non_finite import check_finite, stops_on_divergence
 from tepokit.plumbing.peak_memory import peak_memory_mb, process_memory_mb, reset_peak_memory
 from tepokit.plumbing.report import Trackers, trackers_of
 from tepokit.plumbing.signals import StopSignals, stopped_after
+from tepokit.setup.lora import adapters_off, add_adapters, trainable_parameters, uses_adapters
 from tepokit.setup.model import load_policy, pick_device, prepare_start_model
 from tepokit.setup.task import dataset_chunks, load_task, task_fingerprint
 from tepokit.tools import bench, compare
@@ -107,6 +110,10 @@ class Args:
     n_head: int = 4                     # built-in model: attention heads
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
     precision: str = "fp32"             # bf16 runs the forward passes under autocast
+    lora_rank: int = 0                  # LoRA adapters of this rank, the base frozen (peft; 0: train every weight)
+    lora_alpha: float | None = None     # LoRA's scale is alpha / rank (unset: 2 x --lora-rank)
+    lora_target_modules: str = "auto"   # comma-separated module names (auto: attention and MLP of GPT-2/Qwen2/Llama)
+    lora_base_bf16: bool = False        # keep LoRA's frozen base weights in bf16 (half their memory)
     # --- task ---
     dataset: str | None = None          # openai/gsm8k, a local dataset dir or .jsonl (default: a built-in task)
     task: str = "arith"                 # built-in task: arith, or hidden-type (made for entropy collapse)
@@ -130,7 +137,10 @@ class Args:
     sampler: str = "loop"               # loop (with --fast): the shared-prefix GPT-2 sampler; generate: model.generate
     cuda_graphs: str = "auto"           # static KV cache, CUDA-graph decode (with --fast): on, off, auto (CUDA)
     max_prompt_tokens: int = 256        # prompts longer than this are cut from the left
-    reward: str = "strict"              # which parsing of the answer gives reward 1
+    chat_template: str = "auto"         # auto: the tokenizer's chat template if it has one; on; off (the bare question)
+    system_prompt: str | None = None    # with a chat template (unset: tepokit/core/reward.py's, the answer format)
+    reward: str = "strict"              # rewards (strict, lenient, format) with weights, e.g. strict,format:0.1
+    mask_truncated: bool = False        # DAPO's overlong filtering: completions cut at --max-new-tokens get no loss
     overlong_cache: int = 6             # DAPO soft overlong punishment: length of the penalty ramp
     # --- update ---
     lr: float = 1e-4                    # RL learning rate (Adam, beta2 0.999, no weight decay)
@@ -149,6 +159,7 @@ class Args:
     entropy_check_every: int = 4        # run the entropy check every N steps (it costs one extra forward)
     effect_check_every: int | None = None  # mechanisms' effect on the update every N steps (unset: 4; 0 with --model)
     check_sampling_logprobs: bool = True  # with recomputed old log-probs: compare the sampler's with them
+    log_completions_every: int = 10     # completions.jsonl: a few prompts' completions every N steps (0: never)
     report_to: str = "none"             # live curves: none, tensorboard, trackio, wandb, or a list (plumbing/report.py)
     target_accuracy: float = 0.40       # --compare: steps needed to reach this held-out accuracy
     # --- modes ---
@@ -170,14 +181,16 @@ class Args:
 
 def compute_rewards(texts: list[str], golds: list, lengths: torch.Tensor, args: Args,
                     cfg: tepo.ObjectiveConfig) -> dict:
-    """Task reward (1 if right under --reward parsing, else 0) plus DAPO's soft length cost, from the completions'
-    texts, gold answers and lengths in tokens [B]. Returns rewards, strict, lenient: [B] float each (CPU)."""
+    """The weighted sum of --reward's rewards (tepokit/core/reward.py REWARDS: strict = 1 for a right final
+    `#### n`, lenient = 1 for a right last number, format = 1 for a final `#### <number>`) plus DAPO's soft length
+    cost, from the completions' texts, gold answers and lengths in tokens [B]. Returns rewards (what the advantages
+    see), strict, lenient (the accuracy, whatever the reward), and parts ({name: [B]}, unweighted): [B] float (CPU)."""
     strict, lenient = score_completions(texts, golds)
-    rewards = (strict if args.reward == "strict" else lenient).clone()
+    rewards, parts = weighted_rewards(texts, golds, args.reward)
     if cfg.overlong_penalty:
         rewards = rewards + tepo.soft_overlong_punishment(lengths.float().cpu(), args.max_new_tokens,
                                                           args.overlong_cache)
-    return dict(rewards=rewards, strict=strict, lenient=lenient)
+    return dict(rewards=rewards, strict=strict, lenient=lenient, parts=parts)
 
 
 # =====================================================================================================
@@ -212,8 +225,8 @@ def generate_group(model, tokenizer, questions: list[str], group_size: int, args
     """G completions per prompt by model.generate, sampled at temperature T from softmax(z / T) (no top-k, no
     top-p), or greedily. With --fast, its twin tepokit/core/sampling.py `sample`: the same tokens for the same seed,
     and each token's log-prob and entropy (if want_logprobs)."""
-    enc = tokenizer([format_prompt(q) for q in questions], return_tensors="pt", padding=True,
-                    truncation=True, max_length=args.max_prompt_tokens)
+    enc = encode_prompts(tokenizer, questions, args, return_tensors="pt", padding=True,   # a chat template's, if
+                         truncation=True, max_length=args.max_prompt_tokens)          # any (core/reward.py)
     prompt_ids, prompt_mask = enc.input_ids.to(device), enc.attention_mask.to(device)          # [U, P]
     group_ids, group_mask = prompt_ids.repeat_interleave(group_size, 0), prompt_mask.repeat_interleave(group_size, 0)
     eos_ids = eos_ids_of(model)
@@ -268,7 +281,7 @@ class Run:
     lock: object                        # the run directory's lock, held for the run's lifetime
     identity: dict                      # objective, model shape, tokenizer, data: checked on --resume
     model: object
-    ref_model: object                   # None unless the objective needs one (tepo.needs_ref)
+    ref_model: object                   # None unless the objective needs one (tepo.needs_ref); with LoRA the policy
     tokenizer: object
     optimizer: torch.optim.Optimizer
     train_set: object
@@ -400,7 +413,10 @@ def old_policy(run: Run, batch: Rollout, plan: list) -> OldPolicy:
             del logits                 # before the next forward allocates its own
         return logp, entropy
 
-    ref_logp = logprobs_and_entropy(run.ref_model, False)[0] if run.ref_model is not None else None
+    ref_logp = None
+    if run.ref_model is not None:       # with LoRA: the policy with its adapters switched off (tepokit/setup/lora.py)
+        with adapters_off(run.ref_model, run.model):
+            ref_logp = logprobs_and_entropy(run.ref_model, False)[0]
     if settings.recompute:
         old_logp, entropy = logprobs_and_entropy(run.model, True)
     else:                              # the twin: the sampler's, at the same temperature (update_policy replaces
@@ -430,12 +446,13 @@ def update_policy(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor, p
     model, args = run.model, run.args
     if args.gradient_checkpointing:
         model.train()   # transformers checkpoints only in train mode; dropout is off (switch_off_dropout)
-    mask, adv = batch.completion_mask, adv.to(batch.completion_mask.device)
+    mask, adv = loss_mask(batch, args), adv.to(batch.completion_mask.device)               # [B, T], [B]
     seen = OldPolicy(logp=old.logp.clone(), entropy=old.entropy.clone(), ref_logp=old.ref_logp)  # as the loss sees it
     steps, loss_saw = [], []
     for i, micro_batches in enumerate(plan):
         rows = torch.cat(micro_batches)
-        counts = dict(num_tokens=mask[rows].sum().item(), num_seqs=float(len(rows)))   # the whole mini-batch's
+        counts = dict(num_tokens=mask[rows].sum().item(),                        # the whole mini-batch's; a row
+                      num_seqs=float((mask[rows].sum(1) > 0).sum().item()))      # --mask-truncated left out: none
         run.optimizer.zero_grad(set_to_none=True)
         parts, saw = [], []
         for micro in micro_batches:
@@ -461,13 +478,22 @@ def update_policy(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor, p
     return out, seen, loss_saw
 
 
+def loss_mask(batch: Rollout, args: Args) -> torch.Tensor:
+    """The tokens the loss reads [B, T]: the completion's, and with --mask-truncated none of a completion cut at
+    --max-new-tokens (DAPO's overlong filtering: a cut answer's reward says nothing of its reasoning). The cut rows
+    still count in their group's mean and std (the advantages), as in DAPO."""
+    if not args.mask_truncated:
+        return batch.completion_mask
+    return batch.completion_mask * ~batch.truncated.to(batch.completion_mask.device).unsqueeze(1)
+
+
 def micro_batch_loss(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor, rows: torch.Tensor, counts: dict,
                      on_policy: bool = False):
     """The objective on one micro-batch: (loss [], metrics, log pi [b, T], the entropy [b, T] or None; detached).
     old: the old policy as the loss sees it; on_policy: this forward is the old policy of its rows (update_policy)."""
     settings, cfg = run.settings, run.cfg
     idx = rows.to(adv.device)
-    mask, tokens = batch.completion_mask[idx], batch.completion_ids[idx]     # [b, T]
+    mask, tokens = loss_mask(batch, run.args)[idx], batch.completion_ids[idx]     # [b, T]
     logits = completion_logits(run.model, batch, rows, settings.precision, settings.prompt_once)   # [b, T, V]
     logp = token_logprobs(logits, tokens, settings.temperature)                      # [b, T]
     # the current entropy, when the objective's criterion reads it (TEPO's `measured`)
@@ -531,6 +557,7 @@ def train(args: Args, obj_overrides: dict, clock=PhaseClock) -> dict:
     args = run.args                    # with --resume: the saved settings, which start_run read
     last_step = args.steps if args.stop_after is None else min(args.steps, args.stop_after)
     progress = Progress(run.first_step, last_step, args)   # the bar, and a line at each evaluation (summary.py)
+    watch = CannotLearnWatch(args, progress.write, run.run_dir)    # warnings: tepokit/diagnostics/completions.py
     with run.lock, run.trackers, StopSignals(finish_step=True) as stop:
         for step in progress:
             t0 = time.time()
@@ -538,6 +565,7 @@ def train(args: Args, obj_overrides: dict, clock=PhaseClock) -> dict:
                 taps = step_taps(run, step)           # before anything of the step is saved (plumbing/non_finite.py)
                 record = rl_step(run, step, observe=taps)     # taps: what the measurements need from inside it
                 measured, details_row = measure_step(run, step, record, taps)     # 7. measure, after the step
+                completions = completion_rows(run, step, record)     # a few to read (diagnostics/completions.py)
                 record.clock.lap("measure")
                 row = {"step": step, **record.losses, **measured, **record.clock.row(),
                        "perf/tokens_per_second": record.batch.completion_mask.sum().item() / record.clock.total()}
@@ -549,10 +577,13 @@ def train(args: Args, obj_overrides: dict, clock=PhaseClock) -> dict:
                         row.update(evaluate(run.model, run.tokenizer, run.test_set, args, run.device))
             row.update({"timing/eval": time.time() - t0 - row["step_time"], "step_time": time.time() - t0,
                         "perf/peak_memory_mb": peak_memory_mb(run.device)})
+            row |= watch.check(row)           # warning/<name> = 1 on the step a warning fires
             rundir.append_row(os.path.join(run.run_dir, "metrics.jsonl"), row)
             run.trackers.log(row)
             if details_row is not None:
                 rundir.append_row(run.details_path, details_row)
+            for completion in completions:
+                rundir.append_row(os.path.join(run.run_dir, "completions.jsonl"), completion)
             progress.show(row)
             # Read once: the save and the stop agree on it. A signal after this line waits for the next step's
             # end; at the run's last step, it waits for the policy and the summary to be written.
@@ -594,21 +625,24 @@ def start_run(args: Args, obj_overrides: dict, clock=PhaseClock) -> Run:
     memory_before_model = process_memory_mb()
     start_model = prepare_start_model(args, task, device)
     model, tokenizer = load_policy(start_model, args, device)
-    ref_model = load_policy(start_model, args, device)[0].requires_grad_(False) if needs_ref else None
+    model = add_adapters(model, args)  # --lora-rank: adapters beside the frozen base (tepokit/setup/lora.py)
+    ref_model = None if not needs_ref else model if uses_adapters(model) else (
+        load_policy(start_model, args, device)[0].requires_grad_(False))
     identity = rundir.run_identity(args.objective, model, tokenizer, task_fingerprint(task))
     if resume_dir:                     # still nothing changed: the run must be the one that was saved
         resume.check_same_run(resume_dir, identity)
     lock = rundir.claim_run_dir(run_dir, resume=bool(resume_dir), overwrite=args.overwrite)
     run = Run(args=args, cfg=cfg, objective=tepo.OBJECTIVES[args.objective], device=device, run_dir=run_dir,
               lock=lock, identity=identity, model=model, ref_model=ref_model, tokenizer=tokenizer,
-              optimizer=(torch.optim.SGD(model.parameters(), lr=args.lr) if args.optimizer == "sgd"
-                         else torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.999))),
+              optimizer=(torch.optim.SGD(trainable_parameters(model), lr=args.lr) if args.optimizer == "sgd"
+                         else torch.optim.Adam(trainable_parameters(model), lr=args.lr, betas=(0.9, 0.999))),
               train_set=task["train"], test_set=task["test"].select(range(min(args.n_test, len(task["test"])))),
               first_step=1, details_path=os.path.join(run_dir, "details.jsonl") if args.objective == "tepo" else None,
               settings=step_settings(args, model.config), clock=clock,
               trackers=Trackers(trackers_of(args.report_to), run_dir,
                                 {**dataclasses.asdict(args), **dataclasses.asdict(cfg)}))
-    logs = [p for p in (os.path.join(run_dir, "metrics.jsonl"), run.details_path) if p is not None]
+    logs = [p for p in (os.path.join(run_dir, "metrics.jsonl"), run.details_path,
+                        os.path.join(run_dir, "completions.jsonl")) if p is not None]
     # Again: the task, a warm-up and the models' construction drew random numbers, and how many depends on
     # what was cached; from here the stream is the seed's, whatever was loaded (a resume then sets its own).
     rundir.seed_everything(args.seed)

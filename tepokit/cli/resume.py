@@ -27,7 +27,11 @@ def identity_differences(saved: dict, found: dict) -> list[str]:
 # Settings a config.json may lack (it was written before they existed), with the value that does what such a
 # run did, so that --resume continues it with the same arithmetic: generate sampled, the old log-probs were
 # recomputed, and the forward read each prompt once (--fast).
-DEFAULTS_OF_OLDER_CONFIGS = {"sampler": "generate", "recompute_old_logprobs": True, "fast": True, "optimizer": "adam"}
+DEFAULTS_OF_OLDER_CONFIGS = {"sampler": "generate", "recompute_old_logprobs": True, "fast": True, "optimizer": "adam",
+                             # before chat templates, rewards by name, LoRA and completions.jsonl: the bare question
+                             "chat_template": "off", "system_prompt": None, "mask_truncated": False, "lora_rank": 0,
+                             "lora_alpha": None, "lora_target_modules": "auto", "lora_base_bf16": False,
+                             "log_completions_every": 0}
 
 
 def check_resumable(run_dir: str, Args, run_only: tuple) -> tuple[dict, int]:

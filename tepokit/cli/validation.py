@@ -15,9 +15,11 @@ import torch
 
 import tepo
 from tepokit.plumbing.errors import fail, warn
+from tepokit.core.reward import REWARDS, reward_spec_problem
 from tepokit.core.step_settings import rows_per_minibatch
 from tepokit.plumbing.report import TRACKERS, valid_report_to
 from tepokit.plumbing.rundir import holds_a_run, holds_other_files
+from tepokit.setup.lora import INSTALL_PEFT, peft_installed
 from tepokit.setup.task import arithmetic_task_size, hidden_type_task_size
 
 # ---- valid values of every flag --------------------------------------------------------------------
@@ -64,6 +66,14 @@ def writable_location(p: str) -> bool:
     while not os.path.exists(p):
         p = os.path.dirname(p)
     return os.path.isdir(p) and os.access(p, os.W_OK | os.X_OK)
+
+
+def valid_target_modules(v: str) -> bool:
+    """--lora-target-modules: auto, all-linear, or distinct module names (whether the model has them is checked
+    with its config, tepokit/setup/lora.py adapted_layers)."""
+    names = v.split(",")
+    return v in ("auto", "all-linear") or (len(set(names)) == len(names)
+                                          and all(re.fullmatch(r"[A-Za-z_][\w.]*", n) for n in names))
 
 
 def hub_id_or_local(v: str) -> bool:
@@ -139,6 +149,10 @@ VALID: dict[str, tuple] = {
     "n_embd": at_least(1),
     "n_head": at_least(1),
     "precision": one_of(["fp32", "bf16"]),
+    "lora_rank": at_least(0),
+    "lora_alpha": positive(),
+    "lora_target_modules": ("auto, all-linear, or a comma-separated list of distinct module names, e.g. "
+                            "q_proj,v_proj", valid_target_modules, None),
     # --- task ---
     "dataset": path("a Hugging Face id, or an existing local .jsonl / .json file or dataset directory",
                     hub_id_or_local),
@@ -162,7 +176,9 @@ VALID: dict[str, tuple] = {
     "temperature": positive(),
     "max_new_tokens": at_least(1),
     "max_prompt_tokens": at_least(1),
-    "reward": one_of(["strict", "lenient"]),
+    "chat_template": one_of(["auto", "on", "off"]),
+    "reward": ("a comma-separated list of rewards, each once, from " + ", ".join(REWARDS) + ", each with an optional "
+               "finite weight (name:weight), e.g. strict,format:0.1", lambda v: reward_spec_problem(v) is None, None),
     "sampler": one_of(["loop", "generate"]),
     "cuda_graphs": one_of(["auto", "on", "off"]),
     "overlong_cache": at_least(1),
@@ -180,6 +196,7 @@ VALID: dict[str, tuple] = {
     "entropy_check_rows": at_least(0),
     "entropy_check_every": at_least(1),
     "effect_check_every": at_least(0),
+    "log_completions_every": at_least(0),
     "report_to": ("none, or a comma-separated list of: " + ", ".join(TRACKERS), valid_report_to, None),
     "target_accuracy": fraction(),
     # --- modes ---
@@ -221,6 +238,16 @@ RELATIONS = [
     ("n_embd", "a multiple of --n-head ({n_head})", lambda a: a.n_embd % a.n_head == 0),
     ("n_embd", "a multiple of 2 x --n-head ({n_head}) with --arch qwen2 (its rotary embedding needs an even "
      "head width)", lambda a: a.arch != "qwen2" or a.n_embd % (2 * a.n_head) == 0),
+    # LoRA (tepokit/setup/lora.py): its settings need a rank, a bf16 base computes under bf16 autocast, peft installed
+    ("lora_rank", f"0, or install peft, which LoRA needs ({INSTALL_PEFT})",
+     lambda a: a.lora_rank == 0 or peft_installed()),
+    ("lora_alpha", "none (unset) without --lora-rank: alpha scales LoRA's adapters",
+     lambda a: a.lora_alpha is None or a.lora_rank > 0),
+    ("lora_target_modules", "auto without --lora-rank: they name where LoRA's adapters go",
+     lambda a: a.lora_target_modules == "auto" or a.lora_rank > 0),
+    ("lora_base_bf16", "off unless --lora-rank > 0 and --precision bf16 (the bf16 base computes under bf16 "
+     "autocast; a fp32 forward would meet bf16 weights), and off with --engine trl (TRL loads the base itself)",
+     lambda a: not a.lora_base_bf16 or (a.lora_rank > 0 and a.precision == "bf16" and a.engine == "tepo")),
     ("mini_batches", "an integer in 1..{prompts_per_step} (--prompts-per-step): a mini-batch holds whole groups",
      lambda a: a.mini_batches <= a.prompts_per_step),
     ("micro_batch_size", "0 (the whole mini-batch) or an integer up to {rows_per_minibatch}, the rows of a "
@@ -237,6 +264,8 @@ RELATIONS = [
      lambda a: a.fast or a.cuda_graphs != "on"),
     ("recompute_old_logprobs", "on (or leave it out) with --no-fast (the plain path's old log-probs come from a "
      "forward pass), or drop --no-fast", lambda a: a.fast or a.recompute_old_logprobs is not False),
+    ("chat_template", "auto or off without --model: the built-in tokenizer has no chat template",
+     lambda a: a.chat_template != "on" or a.model is not None),
     ("device", "auto or cpu: CUDA is not available here", lambda a: a.device != "cuda" or torch.cuda.is_available()),
     ("optimizer", "adam with --engine trl (TRL's GRPOTrainer makes its own optimizer), or --engine tepo",
      lambda a: a.optimizer == "adam" or a.engine == "tepo"),

@@ -90,8 +90,9 @@ def measure_step(run, step: int, record, taps: UpdateTaps) -> tuple[dict, dict |
 
 
 def rollout_metrics(batch, scored: dict, keep, group_size: int) -> dict:
-    """What the rollout looked like: rewards, accuracy, groups kept, lengths. batch: the Rollout; scored: rewards,
-    strict and lenient correctness [B]; keep [B]: the rows DAPO's filter kept; group_size: G."""
+    """What the rollout looked like: rewards (each of --reward apart), accuracy, groups kept, lengths. batch: the
+    Rollout; scored: rewards, strict and lenient correctness [B], each reward's [B] (parts); keep [B]: the rows
+    DAPO's filter kept; group_size: G."""
     mask, rewards = batch.completion_mask, scored["rewards"]
     return {"reward": rewards.mean().item(), "reward_std": rewards.std().item(),
             "accuracy/strict": scored["strict"].mean().item(), "accuracy/lenient": scored["lenient"].mean().item(),
@@ -99,7 +100,8 @@ def rollout_metrics(batch, scored: dict, keep, group_size: int) -> dict:
             "dynamic_sampling/kept_frac": keep.float().mean().item(),
             "dynamic_sampling/skipped": float(not keep.any()),
             "completions/mean_length": mask.sum(1).float().mean().item(),
-            "completions/clipped_ratio": batch.truncated.float().mean().item()}
+            "completions/clipped_ratio": batch.truncated.float().mean().item(),
+            **{f"rewards/{name}/mean": values.mean().item() for name, values in scored.get("parts", {}).items()}}
 
 
 def rollout_statistics(model, record, settings) -> dict:

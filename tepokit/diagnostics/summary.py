@@ -11,6 +11,7 @@ import os
 from tqdm.auto import tqdm
 
 from tepokit.plumbing.rundir import code_version, utc_now, write_json
+from tepokit.diagnostics.completions import show_completions
 from tepokit.diagnostics.stats import MIN_STEPS_FOR_R, accuracy_auc, pearson, wald_half_width
 from tepokit.setup.task import HIDDEN_TYPES
 
@@ -145,6 +146,10 @@ class Progress:
             self.bar.write(evaluation_line(row, self.args, self.entropies))
             self.entropies = []
 
+    def write(self, line: str) -> None:
+        """A line that stays on screen above the bar (a warning: tepokit/diagnostics/completions.py)."""
+        self.bar.write(line)
+
     def close(self) -> None:
         self.bar.close()
 
@@ -188,7 +193,11 @@ def print_summary(summary: dict, rows: list[dict], args, wall: float) -> None:
         compare = ("--task hidden-type --compare grpo:beta=0,clip_cov:clip_cov_ratio=0.01 --baseline grpo:beta=0 "
                    "--seeds 3")
         notebook = "entropy_collapse"
-    rows_out += [("files", f"{run_dir}/ (metrics.jsonl, summary.json, checkpoint.pt, policy/)"),
+    warned = [f"{k[len('warning/'):]} at step {r['step']}" for r in rows for k in r if k.startswith("warning/")]
+    if warned:         # the lines said during the run, which may have scrolled away
+        rows_out.append(("warnings", ", ".join(warned) + " (docs/metrics.md: warning/*)"))
+    rows_out += show_completions(run_dir)      # a few of the last completions logged, one line each
+    rows_out += [("files", f"{run_dir}/ (metrics.jsonl, completions.jsonl, summary.json, checkpoint.pt, policy/)"),
                  ("next", f"python -m tepokit.tools.plot {run_dir}   # the run's figures, as PNG files in figures/"),
                  ("", f"python train_small.py {compare}   # two objectives, paired by seed"),
                  ("", f"jupyter lab notebooks/   # entropy_covariance.ipynb first (the derivation), then "

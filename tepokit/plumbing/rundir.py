@@ -33,7 +33,7 @@ def seed_everything(seed: int) -> None:
 # ends (kill -9 too), so a dead run never leaves a stale lock. The file holds the owner's process id, so a
 # refusal can name it.
 LOCK_FILE = ".lock"
-RUN_FILES = ("config.json", "metrics.jsonl", "details.jsonl", "checkpoint.pt", "summary.json")
+RUN_FILES = ("config.json", "metrics.jsonl", "details.jsonl", "completions.jsonl", "checkpoint.pt", "summary.json")
 
 
 def holds_a_run(run_dir: str) -> bool:
@@ -265,20 +265,35 @@ def write_atomically(path: str, write) -> None:
     sync_folder(folder)                # the rename on the disk
 
 
+def frozen_names(model) -> set[str]:
+    """The state_dict names of the parameters that do not train (LoRA's base weights; tied weights under each of
+    their names)."""
+    return {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def trained_state(model) -> dict:
+    """What a checkpoint keeps of the model: its whole state_dict, or, when some parameters are frozen (LoRA,
+    tepokit/setup/lora.py), all but those: the adapters. The frozen base is the start model, which --resume loads
+    again, so a checkpoint of a 3B model's LoRA run weighs megabytes, not 12 GB."""
+    frozen = frozen_names(model)
+    return {name: tensor for name, tensor in model.state_dict().items() if name not in frozen}
+
+
 def save_checkpoint(run_dir: str, model, optimizer, step: int, identity: dict) -> None:
-    """model, optimizer, RNG states, step and the run's identity (run_identity), in checkpoint.pt, written
-    atomically (write_atomically): if the write fails (a full disk, a file-size limit), the previous
-    checkpoint is still there, whole. For the kill tests only: TEPO_TEST_CHECKPOINT_SLEEP=<seconds> sleeps
+    """model (its trained_state), optimizer, RNG states, step and the run's identity (run_identity), in
+    checkpoint.pt, written atomically (write_atomically): if the write fails (a full disk, a file-size limit), the
+    previous checkpoint is still there, whole. For the kill tests only: TEPO_TEST_CHECKPOINT_SLEEP=<seconds> sleeps
     after writing the temp file and before replacing checkpoint.pt, so that a test can kill the process in
     the middle of a write."""
     path = os.path.join(run_dir, "checkpoint.pt")
-    for log in ("metrics.jsonl", "details.jsonl"):   # --resume needs the log up to the checkpoint: on the disk first
+    # --resume needs the logs up to the checkpoint: on the disk first
+    for log in ("metrics.jsonl", "details.jsonl", "completions.jsonl"):
         if os.path.exists(os.path.join(run_dir, log)):
             sync_file(os.path.join(run_dir, log))
 
     def write(f):
         try:
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng_state(),
+            torch.save({"model": trained_state(model), "optimizer": optimizer.state_dict(), "rng": rng_state(),
                         "step": step, "identity": identity}, f)
         except RuntimeError as e:     # torch reports a failed write ("PytorchStreamWriter failed writing file")
             raise OSError(errno.EIO, f"the write failed ({first_line(e)})", path) from e
@@ -290,7 +305,12 @@ def load_checkpoint(run_dir: str, model, optimizer) -> int:
     """The model, optimizer and RNG states of a run directory's checkpoint.pt, loaded into `model` and
     `optimizer` and set; returns its step."""
     checkpoint = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)
-    model.load_state_dict(checkpoint["model"])
+    # strict but for the frozen parameters, which a checkpoint leaves out (trained_state)
+    missing, unexpected = model.load_state_dict(checkpoint["model"], strict=False)
+    if unexpected or set(missing) - frozen_names(model):
+        fail(f"--resume {run_dir}: checkpoint.pt does not hold this model's trained parameters ("
+             f"{len(set(missing) - frozen_names(model))} missing, {len(unexpected)} unexpected); it is another "
+             "model's")
     optimizer.load_state_dict(checkpoint["optimizer"])
     set_rng_state(checkpoint["rng"])
     return checkpoint["step"]

@@ -18,7 +18,7 @@ from tepokit.plumbing.errors import fail, first_line, warn
 from tepokit.plumbing.hub import cannot_load, use_offline_hub_if_unreachable, without_transformers_bars
 from tepokit.plumbing.rundir import fingerprint, lock_file, save_pretrained_atomically
 from tepokit.setup.task import task_fingerprint, task_key, task_seed
-from tepokit.core.reward import format_prompt
+from tepokit.core.reward import chat_template_problem, end_of_turn_id, format_prompt, uses_chat_template
 
 END = "<|endoftext|>"   # end of sequence AND padding, as in GPT-2: the end token must still be trained
 
@@ -341,6 +341,9 @@ def load_policy(path: str, args, device):
     problem = tokenizer_problem(tokenizer)
     if problem:
         fail(f"argument --model: the tokenizer of {path} {problem}; give a model directory with a whole tokenizer")
+    problem = chat_template_problem(tokenizer, args.chat_template, path)
+    if problem:
+        fail(problem)
     bad = non_finite_weights(model)    # a run from them could only diverge, and would checkpoint them at step 0
     if bad:
         fail(f"argument --model: {path} holds NaN or infinite weights, in {len(bad)} of its tensors ({bad[0]} the "
@@ -351,7 +354,10 @@ def load_policy(path: str, args, device):
     # Stop on every end token the model knows: Qwen2.5-Instruct's own generation config stops on
     # <|im_end|> and <|endoftext|>, its tokenizer names only one of them.
     own_eos = model.generation_config.eos_token_id
-    eos_ids = sorted({i for i in as_list(own_eos) + as_list(model.config.eos_token_id) + [tokenizer.eos_token_id]
+    # With a chat template, the end of the assistant's turn too (core/reward.py end_of_turn_id).
+    end_of_turn = end_of_turn_id(tokenizer) if uses_chat_template(tokenizer, args.chat_template) else None
+    eos_ids = sorted({i for i in as_list(own_eos) + as_list(model.config.eos_token_id) + [tokenizer.eos_token_id,
+                                                                                            end_of_turn]
                       if i is not None})
     # Sampling must be plain softmax(z / T): a model's own generation defaults (top_k, top_p,
     # repetition penalty) would change the distribution and the log-probs would no longer describe it.

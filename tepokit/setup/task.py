@@ -10,7 +10,7 @@ import os
 import random
 
 
-from tepokit.core.reward import format_prompt, gold_answer
+from tepokit.core.reward import chat_template_problem, encode_prompts, format_prompt, gold_answer
 from tepokit.plumbing.errors import fail, first_line, warn
 from tepokit.plumbing.hub import cannot_load, use_offline_hub_if_unreachable
 
@@ -242,10 +242,10 @@ def keep_rows(split, keep: list[bool]):
 
 def prompt_lengths(questions: list[str], args) -> list[int]:
     """Each question's prompt length in the tokens of the run's tokenizer: characters for the built-in model
-    (its tokenizer has one token per character), --model's own tokenizer otherwise (loaded alone)."""
-    prompts = [format_prompt(q) for q in questions]
+    (its tokenizer has one token per character), --model's own tokenizer otherwise (loaded alone), its chat
+    template's tokens included when the run uses one (tepokit/core/reward.py encode_prompts)."""
     if args.model is None:
-        return [len(p) for p in prompts]
+        return [len(format_prompt(q)) for q in questions]
     from transformers import AutoTokenizer
     offline_reason = None if os.path.exists(args.model) else use_offline_hub_if_unreachable()
     try:
@@ -253,7 +253,10 @@ def prompt_lengths(questions: list[str], args) -> list[int]:
     except Exception as e:  # noqa: BLE001 -- any loading failure is a user-facing one-liner
         cannot_load("the tokenizer of model", args.model, e, offline_reason,
                     "give a local model directory, or run without --model for the built-in tiny model")
-    return [len(ids) for ids in tokenizer(prompts).input_ids]
+    problem = chat_template_problem(tokenizer, args.chat_template, args.model)
+    if problem:
+        fail(problem)
+    return [len(ids) for ids in encode_prompts(tokenizer, questions, args).input_ids]
 
 
 FIELDS = "text fields question and answer (an answer such as \"2+3=5\\n#### 5\")"

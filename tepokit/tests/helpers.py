@@ -208,3 +208,32 @@ def signal_at(function, line: int, step: int, sig=signal.SIGTERM):
         yield sent
     finally:
         sys.settrace(None)
+
+
+def make_model_dir(path, vocab_size: int, width: int = 64, layers: int = 2, special_tokens: tuple = (),
+                   chat_template: str | None = None, extra_chars: str = "", max_positions: int = 256) -> str:
+    """A Qwen2-architecture micro model with a WordLevel tokenizer of vocab_size entries (one token per character),
+    saved; its end token <|endoftext|> only. special_tokens: more special tokens (a chat template's), given the ids
+    after <unk>; chat_template: the tokenizer's template (None: none)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+    chars = sorted(set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+-*/=#.,:?! \n" + extra_chars))
+    vocab = {"<|endoftext|>": 0, "<unk>": 1, **{t: i + 2 for i, t in enumerate(special_tokens)}}
+    vocab.update({c: i + len(vocab) for i, c in enumerate(chars)})
+    vocab.update({f"<t{i}>": i for i in range(len(vocab), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                        unk_token="<unk>", padding_side="left",
+                                        additional_special_tokens=list(special_tokens))
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=width, intermediate_size=4 * width,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                         tie_word_embeddings=True, max_position_embeddings=max_positions, bos_token_id=0,
+                         eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)

@@ -15,7 +15,7 @@ from tepokit.tools.memory import PHASES, check_memory
 from tepokit.plumbing.peak_memory import peak_memory_mb, reset_peak_memory
 from tepokit.setup.task import load_task
 from tepokit.core.reward import format_prompt
-from tepokit.tests.helpers import SCRIPT, MICRO, run_main, read_rows
+from tepokit.tests.helpers import SCRIPT, MICRO, make_model_dir, run_main, read_rows
 
 
 def test_dry_run_prints_the_plan_and_creates_nothing(workdir, capsys):
@@ -77,28 +77,6 @@ def test_peak_memory_restarts_with_each_run():
 # resident memory would count freed tensors: the runs fix the threshold at 1 MiB, which makes resident
 # memory follow the live tensors.
 QWEN_VOCAB = 151_936
-
-
-def make_model_dir(path, vocab_size: int, width: int = 64, layers: int = 2) -> str:
-    """A Qwen2-architecture micro model with a WordLevel tokenizer of vocab_size entries, saved."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
-    chars = sorted(set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+-*/=#.,:?! \n"))
-    vocab = {"<|endoftext|>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
-    vocab.update({f"<t{i}>": i for i in range(len(vocab), vocab_size)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                                        unk_token="<unk>", padding_side="left")
-    config = Qwen2Config(vocab_size=vocab_size, hidden_size=width, intermediate_size=4 * width,
-                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
-                         tie_word_embeddings=True, max_position_embeddings=256, bos_token_id=0, eos_token_id=0,
-                         pad_token_id=0)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,10 @@
 torch.cuda.max_memory_allocated counts the blocks of CUDA's caching allocator: each new tensor storage rounded
 up to 512 bytes, given back when the storage is freed, a view costing nothing. LiveBytes counts the same on
 the CPU, op by op, so the plan meets on the CPU what it meets on a GPU (resident memory would not: the
-allocator of the C library keeps freed blocks). Seven 2-step GRPO runs of micro models with real shapes'
+allocator of the C library keeps freed blocks). Nine 2-step GRPO runs of micro models with real shapes'
 proportions (Qwen2's grouped-query attention, vocabularies of 8,192 to 32,768 tokens), five of them made to
-peak in five different phases, one generating over transformers' static KV cache (--cuda-graphs on); the second
+peak in five different phases, one generating over transformers' static KV cache (--cuda-graphs on), two with LoRA
+adapters (--lora-rank: a frozen base, in fp32 and under bf16 autocast); the second
 step's generation runs with the gradients and Adam's moments of the first. Then GPT-2's sampling loop alone at an
 evaluation's shape, with and without its static KV cache: what it holds while it decodes.
 """
@@ -186,6 +187,14 @@ CONFIGS = {
     "static KV cache": ("qwen_wide_mlp", ["--micro-batch-size", "2", "--gradient-checkpointing", "--cuda-graphs", "on",
                                           "--max-prompt-tokens", "128", "--max-new-tokens", "8",
                                           "--no-check-sampling-logprobs"], "generation"),
+    # LoRA (rank 8 on the 7 projections): the frozen fp32 base without gradients or Adam moments, the adapters with
+    # both; no reference model (the policy with its adapters off); the update's activations as before
+    "LoRA, fp32": ("qwen_wide_mlp", ["--micro-batch-size", "4", "--max-prompt-tokens", "24", "--max-new-tokens", "24",
+                                     "--no-check-sampling-logprobs", "--lora-rank", "8"], "update"),
+    # LoRA under bf16 autocast over a fp32 base: without gradients each frozen weight is cast at its use and let go;
+    # in the update's forward its cast is kept for the backward
+    "LoRA, bf16 autocast": ("qwen", ["--micro-batch-size", "8", "--precision", "bf16", "--max-prompt-tokens", "24",
+                                     "--max-new-tokens", "12", "--lora-rank", "8"], "update"),
     # the entropy check on every step: the logits before and after at 192 positions, and its temporaries
     "entropy check every step": ("qwen", ["--micro-batch-size", "4", "--max-prompt-tokens", "24", "--max-new-tokens",
                                           "12", "--entropy-check-every", "1", "--entropy-check-rows", "16"],

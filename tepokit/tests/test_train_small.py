@@ -542,3 +542,35 @@ def test_intervals_count_the_problems_evaluated_not_n_test(workdir, capsys):
     assert "(the start model; +- : 95% intervals over 4 and 4 problems)" in out
     assert "greedy; 95% intervals over 4 problems)" in out and "(2 samples of each of 4 problems)" in out
     assert "16 problems" not in out and "8 problems" not in out
+
+
+@pytest.mark.parametrize("objective, overrides", [("dapo", {}), ("grpo", dict(beta=0.04)),
+                                                  ("tepo", dict(aggregation="seq-mean-token-mean"))])
+def test_mask_truncated_is_the_gradient_of_the_batch_without_the_cut_rows(objective, overrides):
+    """--mask-truncated (DAPO's overlong filtering): the gradient with rows 1 and 6 cut equals the gradient of the
+    same objective on the batch without them, in float64, for token-mean and sequence-mean aggregation; their
+    advantages still came from the whole group. Off, the cut rows do count."""
+    base = float64_gpt2(vocab=19)
+    batch = hand_batch(19, rows=8, prompt=4, completion=5, seed=3)
+    adv = torch.randn(8, dtype=F64, generator=torch.Generator().manual_seed(5))
+    cut = torch.tensor([1, 6])
+    batch.truncated[cut] = True
+    kept = torch.tensor([i for i in range(8) if i not in cut.tolist()])
+    without = ts.Rollout(prompt_ids=batch.prompt_ids[kept], prompt_mask=batch.prompt_mask[kept],
+                         completion_ids=batch.completion_ids[kept], completion_mask=batch.completion_mask[kept],
+                         truncated=batch.truncated[kept])
+
+    def gradient(batch, adv, mask_truncated):
+        args = ts.Args(group_size=2, prompts_per_step=len(adv) // 2, mini_batches=1, max_new_tokens=5,
+                       mask_truncated=mask_truncated)
+        run = micro_run(copy.deepcopy(base), None, args, objective, ref_model=copy.deepcopy(base), **overrides)
+        grads = []
+        plan = [[torch.arange(len(adv))]]
+        old_policy_and_update(run, batch, adv, plan,
+                              observe=lambda i, n, b, m, model: grads.append(
+                                  torch.cat([p.grad.flatten() for p in model.parameters()])))
+        return grads[0]
+
+    masked = gradient(batch, adv, True)
+    assert_close(masked, gradient(without, adv[kept], False), atol=1e-12, rtol=1e-9)
+    assert (masked - gradient(batch, adv, False)).abs().max() > 1e-6          # off, the cut rows count

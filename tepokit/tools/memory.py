@@ -19,6 +19,7 @@ from tepokit.core.clock import PhaseClock
 from tepokit.plumbing.errors import fail, quiet
 from tepokit.core.forward import LOGITS_CHUNK_BYTES
 from tepokit.plumbing.hub import cannot_load, use_offline_hub_if_unreachable
+from tepokit.setup.lora import adapter_parameter_count
 from tepokit.setup.model import builtin_tokenizer, pick_device, tiny_model_config
 from tepokit.plumbing.rundir import read_log, write_json
 from tepokit.core.sampling import static_generation
@@ -26,7 +27,7 @@ from tepokit.core.sampling import uses_loop
 from tepokit.core.generate import STATIC_CACHE_MODEL_TYPES
 from tepokit.core.step_settings import step_settings
 from tepokit.setup.task import load_task
-from tepokit.core.reward import format_prompt
+from tepokit.core.reward import encode_prompts
 
 
 # The memory plan: an upper bound, made from the model's config before any weight is loaded, of the bytes
@@ -34,6 +35,9 @@ from tepokit.core.reward import format_prompt
 # (torch.cuda.max_memory_allocated). The model's state lives through every phase of a long run: fp32
 # weights, their gradients (kept from one step's last optimizer step to the next step's first), Adam's two
 # moments, a fp32 reference model when the objective needs one, and on a GPU cuBLAS's workspaces (CUBLAS_WORKSPACE).
+# With LoRA (--lora-rank, tepokit/setup/lora.py): the frozen base (fp32, or bf16 with --lora-base-bf16) without
+# gradients or moments, the adapters (r x (in + out) per adapted layer) with both, and no reference model (the base,
+# adapters off).
 # Each phase adds its own tensors:
 #   generation     the rollout: the prompts' prefill (every prompt token through the MLP at once), then
 #                  one token at a time over a growing KV cache, the sampler's [B, V] temporaries, and
@@ -77,14 +81,17 @@ def model_config_for_plan(args, task):
                     "give a local model directory, or run without --model for the built-in tiny model")
 
 
-def model_shape(config) -> dict:
-    """The sizes the plan needs, from a transformers config (GPT-2's and Llama/Qwen2's names alike)."""
+def model_shape(config, args=None) -> dict:
+    """The sizes the plan needs, from a transformers config (GPT-2's and Llama/Qwen2's names alike); with
+    --lora-rank, the adapters' parameters too (refused in one line if a target module is not in the model)."""
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):                            # shapes only: no memory, no weights
         meta_model = AutoModelForCausalLM.from_config(config)
     H, heads = config.hidden_size, config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return {"n_params": sum(p.numel() for p in meta_model.parameters()), "H": H, "L": config.num_hidden_layers,
+    lora = args is not None and args.lora_rank > 0
+    return {"n_params": sum(p.numel() for p in meta_model.parameters()), "H": H,
+            "adapters": adapter_parameter_count(meta_model, args) if lora else 0, "L": config.num_hidden_layers,
             "V": config.vocab_size, "kv": kv_heads * (H // heads),            # width of the keys (and values)
             "I": getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * H,
             # a gated MLP (Llama, Qwen2: gate, up, their product) and RMSNorm, or GPT-2's (fc, gelu) and LayerNorm
@@ -98,10 +105,14 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
     the model's state plus the phase that adds the most. A phase is as large as its largest moment; phases
     gives, per phase, that moment's name and its parts (bytes), totals their sums. device_type: the run's
     (--cuda-graphs auto generates over a static KV cache on CUDA)."""
-    m = model_shape(config)
+    m = model_shape(config, args)
     N, H, L, V, kv, inner = m["n_params"], m["H"], m["L"], m["V"], m["kv"], m["I"]
+    # LoRA (tepokit/setup/lora.py): N frozen base weights (no gradient, no Adam moments, no reference model: the
+    # reference is the base with the adapters off) and n_trained adapter parameters that train; without: all N train
+    lora, n_trained = args.lora_rank > 0, m["adapters"] if args.lora_rank > 0 else N
+    base_bf16 = lora and args.lora_base_bf16             # the whole base in bf16 (needs --precision bf16)
     a = 2 if args.precision == "bf16" else 4             # bytes of a linear layer's output (bf16 under autocast)
-    k = 4 + a                                             # a key and a value: RoPE's fp32 cos/sin keep keys fp32
+    k = 4 + a if not base_bf16 else 2 * a                 # a key and a value: RoPE's fp32 cos/sin keep keys fp32
     settings = step_settings(args, config)                # as the run resolves them
     b = settings.rows_per_forward                         # rows per forward and backward
     R = args.prompts_per_step * args.group_size          # rows of a rollout
@@ -115,7 +126,18 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
     recompute = settings.recompute
     rows_checked = checked_rows(args.entropy_check_rows, R, T) if args.entropy_check_every <= args.steps else 0
     n_checked = min(rows_checked * T, ENTROPY_CHECK_MAX_POSITIONS)        # positions the entropy check compares
-    copies = {"bf16 weight copies (autocast)": 2 * N if args.precision == "bf16" else 0}
+    # autocast keeps the bf16 copy of a weight that trains until the backward; a frozen fp32 weight (LoRA's base) it
+    # casts at each use and, without gradients, lets go at once: the largest, lm_head's [V, H], beside the logits it
+    # makes; a bf16 base needs no copy
+    casts_frozen = lora and a == 2 and not base_bf16
+    copies = {"bf16 weight copies (autocast)": 2 * n_trained if args.precision == "bf16" else 0}
+    cast = {"lm_head's bf16 cast (autocast)": 2 * V * H if casts_frozen else 0}
+    # ...but in a forward with gradients each frozen weight's cast is kept for the backward (the gradient of its input
+    # needs it): every linear layer's and lm_head's (the embedding is looked up, not cast); one layer's at a time
+    # under checkpointing
+    layer_weights = (N - V * H * (1 if m["tied"] else 2)) // L
+    update_copies = {**copies, "frozen weights' bf16 casts, kept for the backward":
+                     2 * (V * H + (layer_weights if ckpt else L * layer_weights)) if casts_frozen else 0}
     mlp = (3 if m["gated"] else 2) * inner * a           # a no-grad MLP's live outputs, per token
     # the logits the update's taps keep for the entropy check, before its first optimizer step ([c, T, V]), held
     # to the step's end (tepokit/core/taps.py)
@@ -132,22 +154,22 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
             prompt_cache = {"prompts' keys and values": 2 * L * prompts * P * H * 4}
             # a layer's queries, keys and values, its MLP, the residual stream, a norm's and the attention's
             # outputs, and the prompts' causal mask
-            return [("prefill", {**prompt_cache, **copies, "prefill: one layer": prompts * P * (3 * H * a + mlp
+            return [("prefill", {**prompt_cache, **copies, **cast, "prefill: one layer": prompts * P * (3 * H * a + mlp
                                                                                                + 3 * H * 4 + P)}),
-                    ("decoding", {**prompt_cache, **copies,
+                    ("decoding", {**prompt_cache, **copies, **cast,
                                   "completions' keys and values": 2 * L * rows * T * H * 4,
                                   "sampling step (float32 [B, V])": rows * V * (a + 7 * 4)})]
         cache = {"KV cache": L * rows * S * kv * k}
         if static_cache:  # sample_static_cache: the whole cache from the prefill on; the attention reads all of it
             sampling_step = {"sampling step (float32 [B, V])": rows * V * (a + 7 * 4)}
-            return [("prefill", {**cache, **copies, "prefill: one layer, its mask [B, 1, P, S]":
+            return [("prefill", {**cache, **copies, **cast, "prefill: one layer, its mask [B, 1, P, S]":
                                  rows * P * (mlp + 3 * H * 4 + P + S) + rows * V * a}),
-                    ("decoding", {**cache, **copies, **sampling_step,
+                    ("decoding", {**cache, **copies, **cast, **sampling_step,
                                   "repeated keys and values (and their bf16 copies)": 8 * rows * S * H})]
-        moments = [("prefill", {"KV cache": L * rows * P * kv * k, **copies,
+        moments = [("prefill", {"KV cache": L * rows * P * kv * k, **copies, **cast,
                                 "prefill: one layer": rows * P * (mlp + 3 * H * 4 + P) + rows * V * a}),
                    # a layer's cache grows by a copy; its keys and values repeated for the attention (GQA)
-                   ("decoding", {**cache, **copies, "one layer's cache copy, repeated keys and values":
+                   ("decoding", {**cache, **copies, **cast, "one layer's cache copy, repeated keys and values":
                                  2 * rows * S * (kv * k + H * a),
                                  "sampling step (float32 [B, V])": rows * V * (a + 3 * 4),
                                  "stacked logits": rows * T * V * 4 if stacked else 0})]
@@ -167,13 +189,13 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
                        chunks(rows * T, 1 + (args.temperature != 1.0)) + (chunks(rows * T, 1) // 2 if nbytes < 4
                                                                          else 0))
         if whole_sequences:
-            return [("forward", {"one layer": rows * S * (mlp * nbytes // a + 3 * H * 4) + rows * S * S,
+            return [("forward", {**cast, "one layer": rows * S * (mlp * nbytes // a + 3 * H * 4) + rows * S * S,
                                  "logits": logits}),
                     ("log-probs", {"logits and a contiguous copy": 2 * logits, "chunk temporaries": temporaries})]
         cache = L * rows * S * kv * (4 + nbytes)
-        return [("forward", {"KV cache": cache, "one layer": rows * T * (mlp * nbytes // a + 3 * H * 4)
+        return [("forward", {**cast, "KV cache": cache, "one layer": rows * T * (mlp * nbytes // a + 3 * H * 4)
                              + 2 * rows * S * (kv * (4 + nbytes) + H * nbytes) + rows * T * S}),
-                ("logits", {"KV cache": cache, "logits (two pieces and their concatenation)": 2 * logits}),
+                ("logits", {**cast, "KV cache": cache, "logits (two pieces and their concatenation)": 2 * logits}),
                 ("log-probs", {"logits": logits, "chunk temporaries": temporaries})]
 
     # What one layer keeps for the backward, per token: the residual stream and the norms (fp32), the
@@ -185,8 +207,8 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
 
     def update() -> list:
         logits = b * (T + 1) * V * a
-        lm_head_grad = V * H * (4 + (2 if args.precision == "bf16" else 0))
-        common = {**copies, **before}
+        lm_head_grad = 0 if lora else V * H * (4 + (2 if args.precision == "bf16" else 0))   # frozen with LoRA
+        common = {**update_copies, **before}
         # the update's taps (tepokit/core/taps.py): a no-grad forward after a mini-batch's backward, over the entropy
         # check's rows or (TEPO's details) each micro-batch
         taps = ([(f"the taps' forward: {moment}", {**common, **parts}) for moment, parts in forward(b, a)]
@@ -198,7 +220,7 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
         # held until the embedding's arrives, and their sum. Without checkpointing the prompts' forward came
         # first, so its backward comes last: its activations and the logits' gradient wait for it.
         embedding_backward = ("backward through the embedding", {
-            **before, "embedding weight gradients": V * H * 4 * (3 if m["tied"] else 1),
+            **before, "embedding weight gradients": 0 if lora else V * H * 4 * (3 if m["tied"] else 1),
             "prompts' activations, gradient of the logits": 0 if ckpt else L * prompts * P * per_token + b * T * V * a})
         if ckpt:     # the layers' inputs; the logits [b, T+1, V] with a contiguous copy of [:, :-1]
             inputs = {"layer inputs (checkpoints)": L * b * S * H * 4}
@@ -208,7 +230,7 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
                                                   2 * logits, "lm_head weight gradient": lm_head_grad}),
                     ("backward through a layer", {**common, **inputs, "one layer recomputed, its gradients":
                                                   2 * layer(b * S, b)}),
-                    embedding_backward, ("Adam's step", {**before, "foreach temporaries": 4 * N})]
+                    embedding_backward, ("Adam's step", {**before, "foreach temporaries": 4 * n_trained})]
         acts = {"activations": L * layer(b * T, b) + L * prompts * P * per_token}
         return taps + [("forward", {**common, **acts, "KV cache": L * b * S * kv * k if args.fast else 0,
                              "logits": 2 * logits}),
@@ -217,7 +239,7 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
                 # the gradient of the slice [:, 1:] is copied to be contiguous for lm_head's backward
                 ("backward through lm_head", {**common, **acts, "gradient of the logits and a copy": 2 * logits,
                                               "lm_head weight gradient": lm_head_grad}),
-                embedding_backward, ("Adam's step", {**before, "foreach temporaries": 4 * N})]
+                embedding_backward, ("Adam's step", {**before, "foreach temporaries": 4 * n_trained})]
 
     def old_logprobs() -> list:
         # the reference model's forwards, then (only when recomputed) the policy's
@@ -229,7 +251,7 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
         """After the step: the bf16 noise floor (the log-probs of one micro-batch in bf16, under autocast with its
         weight copies, then in fp32, without: autocast's cache is emptied when it ends), then the entropy check."""
         floor = ([(f"bf16 noise floor, {name}: {moment}", {**held, **before, **parts})
-                  for name, nbytes, held in (("bf16", a, copies), ("fp32", 4, {}))
+                  for name, nbytes, held in (("bf16", a, copies), ("fp32", 2 if base_bf16 else 4, {}))
                   for moment, parts in forward(b, nbytes, entropy=False)] if args.precision == "bf16" else [])
         if not rows_checked:
             return floor or [("not run", {})]
@@ -252,11 +274,16 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
     totals = {phase: sum(parts.values()) for phase, (_, parts) in phases.items()}
     parts = {"weights (fp32)": 4 * N, "gradients (fp32)": 4 * N, "Adam moments (fp32)": 8 * N,
              "reference model (fp32)": 4 * N if needs_ref else 0}
+    if lora:
+        parts = {f"base weights, frozen ({'bf16' if base_bf16 else 'fp32'})": (2 if base_bf16 else 4) * N,
+                 "LoRA adapters: weights (fp32)": 4 * n_trained, "LoRA adapters: gradients (fp32)": 4 * n_trained,
+                 "LoRA adapters: Adam moments (fp32)": 8 * n_trained}
     if device_type == "cuda":
         parts["cuBLAS workspaces"] = (4 if static and (loop or static_cache) else 2) * CUBLAS_WORKSPACE
     phase = max(totals, key=totals.get)
     listed = sum(parts.values()) + totals[phase]
-    return {"parts": parts, "phases": phases, "totals": totals, "n_params": N, "unlisted": UNLISTED * listed,
+    return {"parts": parts, "phases": phases, "totals": totals, "n_params": N, "n_adapters": m["adapters"],
+            "unlisted": UNLISTED * listed,
             "peak": (1 + UNLISTED) * listed, "phase": phase,
             "supports_gradient_checkpointing": m["supports_gradient_checkpointing"]}
 
@@ -278,7 +305,8 @@ def print_memory_plan(plan: dict, capacity: int, device, in_full: bool) -> None:
         print(f"memory plan: estimated peak {plan['peak'] / gib:.2f} GiB ({plan['phase']}) of {capacity / gib:.1f} GiB "
               f"{where} ({plan['n_params'] / 1e6:.1f}M parameters; --dry-run shows each part)", flush=True)
         return
-    print(f"memory plan (an upper bound; {plan['n_params'] / 1e6:.1f}M parameters):")
+    adapters = f", {plan['n_adapters'] / 1e6:.2f}M LoRA adapter parameters trained" if plan["n_adapters"] else ""
+    print(f"memory plan (an upper bound; {plan['n_params'] / 1e6:.1f}M parameters{adapters}):")
     for part, nbytes in plan["parts"].items():
         print(f"  {part:<40} {nbytes / gib:8.2f} GiB")
     print("  each phase adds, at its largest moment:")
@@ -393,7 +421,8 @@ def worst_case_dataset(args, task, rows: int, path: str) -> str:
         for i in range(6 * rows):
             record = train_split[i % len(train_split)]
             question = long_question = record["question"]
-            while question.strip() and len(tokenizer(format_prompt(long_question)).input_ids) < args.max_prompt_tokens:
+            while question.strip() and len(encode_prompts(tokenizer, [long_question], args).input_ids[0]) < \
+                    args.max_prompt_tokens:                       # a chat template's tokens count (core/reward.py)
                 long_question += " " + question
             f.write(json.dumps({"question": long_question, "answer": record["answer"]}) + "\n")
     return path

@@ -51,6 +51,7 @@ import tepo
 from tepokit.cli.flags import objective_config
 from tepokit.plumbing.errors import fail
 from tepokit.plumbing.hub import without_transformers_bars
+from tepokit.setup.lora import peft_config_for
 from tepokit.setup.model import prepare_start_model
 from tepokit.plumbing.report import trackers_of, warn_failed
 from tepokit.cli.resume import CANNOT_RESUME, check_same_run, newest_whole_trl_checkpoint, set_aside_trl_checkpoints
@@ -59,7 +60,8 @@ from tepokit.plumbing.rundir import (claim_run_dir, code_version, read_log, run_
                                      write_json)
 from tepokit.plumbing.signals import StopSignals, stopped_after
 from tepokit.setup.task import load_task, task_fingerprint
-from tepokit.core.reward import format_prompt, gold_answer, score_completions
+from tepokit.core.reward import (chat_messages, chat_template_problem, gold_answer, prompt_texts, score_completions,
+                                 uses_chat_template, weighted_rewards)
 
 TRL_TESTED = "1.16"
 
@@ -233,18 +235,37 @@ def trl_settings(args, num_processes: int) -> dict:
                 logging_steps=optimizer_steps, save_strategy="steps", save_steps=args.save_every * optimizer_steps,
                 seed=args.seed, bf16=args.precision == "bf16", activation_checkpointing=args.gradient_checkpointing,
                 disable_dropout=True, trust_remote_code=args.trust_remote_code, model_init_kwargs={"dtype": "float32"},
-                report_to=trackers_of(args.report_to) or "none", dataloader_num_workers=0)
+                report_to=trackers_of(args.report_to) or "none", dataloader_num_workers=0,
+                mask_truncated_completions=args.mask_truncated)                    # DAPO's overlong filtering
+
+
+def trl_prompts(questions: list[str], start_model: str, args) -> list:
+    """The prompts as TRL takes them: with a chat template (--chat-template, tepokit/core/reward.py), conversations
+    (system prompt and question), which TRL renders with the tokenizer's template; else the question's text."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(start_model, trust_remote_code=args.trust_remote_code)
+    problem = chat_template_problem(tokenizer, args.chat_template, start_model)
+    if problem:
+        fail(problem)
+    if uses_chat_template(tokenizer, args.chat_template):
+        return [chat_messages(q, args.system_prompt) for q in questions]
+    return prompt_texts(questions, tokenizer, args)
 
 
 def task_rewards(args, cfg: tepo.ObjectiveConfig) -> list:
-    """TRL reward functions for train_small's task: 1 if right (--reward parsing), plus DAPO's soft
-    length cost when the objective asks for it. Accuracy is logged with train_small's names."""
+    """TRL reward functions for train_small's task: --reward's weighted sum (tepokit/core/reward.py), plus DAPO's
+    soft length cost when the objective asks for it. Accuracy and each reward are logged with train_small's names."""
     def correct_answer(prompts, completions, gold, log_metric, **_):
+        # a conversational prompt's completion is a list of messages: the assistant's reply is its text
+        completions = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         golds = [Decimal(g) if g else None for g in gold]
         strict, lenient = score_completions(completions, golds)
         log_metric("accuracy/strict", strict.mean().item())
         log_metric("accuracy/lenient", lenient.mean().item())
-        return (strict if args.reward == "strict" else lenient).tolist()
+        rewards, parts = weighted_rewards(completions, golds, args.reward)
+        for name, values in parts.items():
+            log_metric(f"rewards/{name}/mean", values.mean().item())
+        return rewards.tolist()
 
     def overlong_penalty(completion_ids, **_):
         lengths = torch.tensor([float(len(ids)) for ids in completion_ids])
@@ -328,16 +349,17 @@ def train(args, obj_overrides: dict, evaluate) -> dict:
     task = load_task(args)
     with state.main_process_first():          # the built-in warm-up is made (and cached) once
         start_model = prepare_start_model(args, task, device)
-    if state.is_main_process and not args.resume:
-        lock = claim_run_dir(run_dir, resume=False, overwrite=args.overwrite)
     questions, answers = list(task["train"]["question"]), list(task["train"]["answer"])
     golds = [gold_answer(a) for a in answers]
-    prompts = datasets.Dataset.from_dict({"prompt": [format_prompt(q) for q in questions],
+    prompts = datasets.Dataset.from_dict({"prompt": trl_prompts(questions, start_model, args),
                                           "gold": ["" if g is None else str(g) for g in golds]})
+    if state.is_main_process and not args.resume:
+        lock = claim_run_dir(run_dir, resume=False, overwrite=args.overwrite)
     config = grpo_config(args.objective, cfg, output_dir=run_dir, use_cpu=device.type == "cpu", **settings)
     with without_transformers_bars(when=args.model is None):
         trainer = TepoGRPOTrainer(model=start_model, reward_funcs=task_rewards(args, cfg), args=config,
-                                  train_dataset=prompts, objective=args.objective, objective_config=cfg)
+                                  train_dataset=prompts, objective=args.objective, objective_config=cfg,
+                                  peft_config=peft_config_for(start_model, args))     # --lora-rank (setup/lora.py)
     reporters = tuple(get_reporting_integration_callbacks(config.report_to))
     trainer.callback_handler.callbacks = [KeepTrainingIfReportingFails(c, run_dir) if isinstance(c, reporters) else c
                                           for c in trainer.callback_handler.callbacks]
