@@ -123,3 +123,21 @@ def test_a_run_on_a_chat_model_logs_each_reward(chat_dir, tmp_path):
     assert {"rewards/strict/mean", "rewards/format/mean"} <= set(row)
     config = json.load(open(tmp_path / "run" / "config.json"))
     assert config["args"]["chat_template"] == "auto" and config["args"]["reward"] == "strict,format:0.1"
+
+
+def test_trl_gets_conversations_with_a_template_and_reads_the_assistants_reply(chat_dir):
+    """--engine trl: with a template the prompts are conversations (TRL renders them with the same template), and
+    the reward reads the text of the assistant's message TRL hands back; without one, the question's text."""
+    import tepo
+    from tepokit.tools.tepo_trl import task_rewards, trl_prompts
+    args = ts.Args(model=chat_dir, reward="strict,format:0.5")
+    assert trl_prompts(QUESTIONS, chat_dir, args) == [chat_messages(q, None) for q in QUESTIONS]
+    off = ts.Args(model=chat_dir, chat_template="off")
+    assert trl_prompts(QUESTIONS, chat_dir, off) == [format_prompt(q) for q in QUESTIONS]
+    (reward,) = task_rewards(args, tepo.config_for("grpo"))
+    logged = {}
+    replies = [[{"role": "assistant", "content": "7\n#### 7"}], [{"role": "assistant", "content": "#### 8"}], "7"]
+    got = reward(prompts=None, completions=replies, gold=["7", "7", "7"],
+                 log_metric=lambda name, value: logged.__setitem__(name, value))
+    assert got == [1.5, 0.5, 0.0]
+    assert logged["rewards/format/mean"] == pytest.approx(2 / 3) and logged["accuracy/strict"] == pytest.approx(1 / 3)
