@@ -5,9 +5,10 @@ Read it top to bottom, like a chapter:
   1. Building blocks   masked means, group-relative advantages, loss aggregation, KL estimators, token log-probs.
   2. Configuration     one dataclass with every switch, checked once when it is made; each paper's defaults.
   3. The GRPO family   one skeleton, `objective`, then the input checks and the metrics it wraps around every
-                       objective's maths; then each objective, its maths alone, next to the pieces it alone
-                       needs: PPO-clip (token ratio, clipped surrogate); GRPO, DAPO, Dr. GRPO (PPO-clip's loss
-                       under each paper's settings; DAPO's data side); GSPO, GSPO-token (sequence ratio); MPO.
+                       objective's maths; then each objective, its maths alone, next to the pieces it alone needs,
+                       in the order of the papers: PPO-clip (token ratio, clipped surrogate); GRPO, DAPO, Dr. GRPO
+                       (PPO-clip's loss under each paper's settings; DAPO's data side); CISPO (a clipped weight);
+                       GSPO, GSPO-token (sequence ratio); GMPO (geometric mean); SAPO (a smooth gate); MPO.
   4. Entropy mathematics  the entropy from logits, and why it falls: the entropy-covariance derivation
                        (Cui et al. 2505.22617; TEPO's appendix) step by step; the live check used by train_small.py.
   5. The remedies      the entropy bonus; Clip-Cov and KL-Cov, built on section 4's covariance; TEPO's KL mask.
@@ -15,13 +16,14 @@ Read it top to bottom, like a chapter:
 
 Every objective has the same signature
     fn(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None, old_entropy=None,
-       num_tokens=None, num_seqs=None) -> (loss, metrics)
+       sampler_logp=None, num_tokens=None, num_seqs=None) -> (loss, metrics)
 
-Honest labels. PPO-clip, GRPO, DAPO, Dr. GRPO, GSPO, Clip-Cov and KL-Cov follow their papers and the
-verl (0.9.1) / TRL (1.16) implementations. TEPO (arXiv 2510.09369, 2604.12736) and MPO (arXiv
-2602.14386) have no public code and only their abstracts are public: their objectives here are
-RECONSTRUCTIONS, and every ambiguous choice is a switch in ObjectiveConfig (tepo_loss in section 5 and
-mpo_loss in section 3 say what is public and what is ours; so does the README's "Honest labels").
+Honest labels. PPO-clip, GRPO, DAPO, Dr. GRPO, CISPO, GSPO, GMPO, SAPO, Clip-Cov and KL-Cov follow their
+papers and the verl (0.9.1) / TRL (1.16) implementations (where those differ, the docstring says which one
+tepo follows). TEPO (arXiv 2510.09369, 2604.12736) and MPO (arXiv 2602.14386) have no public code and
+only their abstracts are public: their objectives here are RECONSTRUCTIONS, and every ambiguous choice
+is a switch in ObjectiveConfig (tepo_loss in section 5 and mpo_loss in section 3 say what is public and
+what is ours; so does the README's "Honest labels").
 
 Tensor layout (all objectives):
   B  sequences in the (mini-)batch = prompts x G, groups contiguous (rows g*G .. g*G+G-1 share a prompt)
@@ -35,7 +37,7 @@ that is not 0/1 and a shape mismatch; padding may hold anything. An empty batch 
 Flags: `python train_small.py --objective <name>` trains with PAPER_DEFAULTS[<name>]; every field of
 ObjectiveConfig is a flag there too (eps_low -> --eps-low, ...).
 
-Importing this module needs torch only.
+Importing this module needs torch only. A 20-second tour of every objective: python -m tepokit.tools.tour
 """
 
 from __future__ import annotations
@@ -49,14 +51,16 @@ import torch
 __all__ = [
     # 1. building blocks
     "masked_sum", "masked_mean", "ADVANTAGE_SCALES", "group_advantages", "AGGREGATIONS", "aggregate_loss",
-    "KL_ESTIMATORS", "kl_penalty", "token_logprobs_from_logits",
+    "KL_ESTIMATORS", "kl_penalty", "sampler_correction_weight", "top_entropy_mask", "token_logprobs_from_logits",
     # 2. configuration
     "ObjectiveConfig", "RATIO_MODES", "ENTROPY_CRITERIA", "KL_TARGETS", "KL_MODES", "CLIP_CHOICES", "BLOCK_RATIOS",
-    "BLOCK_AGGREGATIONS", "check_config", "InvalidSetting", "PAPER_DEFAULTS", "config_for",
+    "BLOCK_AGGREGATIONS", "CISPO_WEIGHTS", "SAMPLER_CORRECTIONS", "check_config",
+    "InvalidSetting", "PAPER_DEFAULTS", "config_for",
     # 3. the GRPO family: the skeleton, then each objective with the pieces it alone needs
     "ObjectiveInputs", "PolicyTerms", "objective", "token_log_ratio", "clipped_surrogate", "ppo_clip_loss",
-    "grpo_loss", "dapo_loss", "dr_grpo_loss", "dynamic_sampling_mask", "soft_overlong_punishment",
-    "sequence_log_ratio", "gspo_loss", "gspo_token_loss", "block_index", "block_log_ratio", "mpo_loss",
+    "grpo_loss", "dapo_loss", "dr_grpo_loss", "dynamic_sampling_mask", "soft_overlong_punishment", "cispo_loss",
+    "sequence_log_ratio", "gspo_loss", "gspo_token_loss", "gmpo_loss", "sapo_loss", "block_index", "block_log_ratio",
+    "mpo_loss",
     # 4. entropy mathematics
     "entropy_from_logprobs", "softmax_entropy", "entropy_from_logits", "softmax_log_jacobian",
     "entropy_grad_wrt_logits", "fisher_matrix", "policy_gradient_step", "natural_gradient_step",
@@ -64,7 +68,7 @@ __all__ = [
     # 5. the remedies; 6. the objectives by name
     "entropy_bonus", "token_covariance", "clip_cov_loss", "kl_cov_loss", "tepo_kl_mask", "random_clip_like",
     "tepo_loss", "OBJECTIVES",
-    "TRAINER_FIELDS", "FIELDS_READ", "needs_ref", "needs_entropy",
+    "TRAINER_FIELDS", "FIELDS_READ", "OPTION_FIELDS", "needs_ref", "needs_entropy",
 ]
 
 
@@ -172,14 +176,13 @@ def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, *, num
       seq-mean-token-sum      (1/B') sum_i sum_t l            long answers weigh more
       seq-mean-token-sum-norm sum_{i,t} l / (B * C)           a constant C (default T; Dr. GRPO's
                                                                max generation length): no length bias
-    B' counts non-empty sequences. Gradient accumulation: pass num_tokens (token-mean) or num_seqs
-    (the seq-* modes) counted over ALL micro-batches of one optimizer step, and the sum of the
-    micro-batch losses equals the loss of the whole batch, gradient included (test_tepo.py,
-    property 41). seq-mean-token-sum-norm divides by B * C as verl 0.9.1's agg_loss does (verl
-    counts only non-empty sequences in B when it is given no global count; here B is every row).
-    An empty batch (no valid token, or B = 0, or T = 0) gives exactly 0 with a zero gradient in every
-    mode: a divisor of 0 (num_tokens=0 or num_seqs=0 for an empty step, B * C = 0) divides by 1, since
-    the sum it divides is then a sum over no position. A count of 0 with valid tokens is refused.
+    B' counts non-empty sequences. Gradient accumulation: pass num_tokens (token-mean) or num_seqs (the seq-*
+    modes) counted over ALL micro-batches of one optimizer step, and the sum of the micro-batch losses equals the
+    loss of the whole batch, gradient included (test_tepo.py, property 41). seq-mean-token-sum-norm divides by
+    B * C as verl 0.9.1's agg_loss does (verl counts only non-empty sequences in B when it is given no global
+    count; here B is every row). An empty batch (no valid token, or B = 0, or T = 0) gives exactly 0 with a zero
+    gradient in every mode: a divisor of 0 (num_tokens=0 or num_seqs=0 for an empty step, B * C = 0) divides by 1,
+    since the sum it divides is then a sum over no position. A count of 0 with valid tokens is refused.
     """
     _check_choice("aggregation", mode, AGGREGATIONS)
     valid = mask.bool()
@@ -250,6 +253,25 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
     return k2 - k2.detach() + value.detach()
 
 
+# ---- two options of every objective, which `objective` (section 3) applies to the policy-gradient loss -----
+def sampler_correction_weight(log_ratio, mask, mode: str = "truncate", cap: float = 2.0) -> torch.Tensor:
+    """The sampler's mismatch corrected: rho_t = exp(log_ratio) = pi_old / pi_sampler, pi_old as the trainer recomputes
+    it (bf16, other kernels, CUDA graphs round otherwise). truncate: w_t = min(rho_t, cap) (truncated IS, Yao et al.
+    2025; verl: no lower bound); mask: w_t = rho_t, 0 past the cap (TRL's token_mask; verl's IcePop adds a lower
+    bound). Detached (no gradient); 1 at padding. Flags: --sampler-correction, --sampler-correction-cap.   [B, T]"""
+    _check_choice("sampler_correction", mode, SAMPLER_CORRECTIONS[1:])
+    rho = torch.exp(torch.where(mask.bool(), log_ratio.detach(), torch.zeros_like(log_ratio)))
+    return rho.clamp(max=cap) if mode == "truncate" else torch.where(rho <= cap, rho, torch.zeros_like(rho))
+
+
+def top_entropy_mask(entropy, mask, share: float) -> torch.Tensor:
+    """The forking tokens (Wang et al., arXiv 2506.01939: the top 20 %), bool [B, T]: keep_t = valid_t and H_t >= q,
+    q = torch.quantile(H of the valid tokens, 1 - share), linear as TRL's top_entropy_quantile: N distinct entropies
+    keep N - ceil((1 - share)(N - 1)). TRL's H is the current policy's, ours the old one's. --top-entropy-share"""
+    valid, h = mask.bool(), _at_least_float32(entropy.detach())
+    return valid if share >= 1 or not valid.any() else valid & (h >= torch.quantile(h[valid], 1 - share))
+
+
 # ---- log-probs from logits: where each objective's logp comes from ---------------------------------
 
 def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
@@ -266,9 +288,9 @@ def token_logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor,
                                temperature: float = 1.0) -> torch.Tensor:
     """log softmax(logits / temperature) at the sampled tokens.         [B, T, V], [B, T] -> [B, T]
 
-    The temperature must be the sampling temperature: a sample drawn at temperature 0.7 has its
-    probability under softmax(z / 0.7), and a ratio against untempered log-probs is wrong
-    (test_tepo.py, property 42). logsumexp avoids materialising a second [B, T, V] log-softmax tensor.
+    The temperature must be the sampling temperature: a sample drawn at temperature 0.7 has its probability
+    under softmax(z / 0.7), and a ratio against untempered log-probs is wrong (test_tepo.py, property 42).
+    logsumexp avoids materialising a second [B, T, V] log-softmax tensor.
     """
     z = _tempered(logits, temperature) if temperature != 1.0 else _at_least_float32(logits)   # T = 1: no copy
     chosen = z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
@@ -309,15 +331,22 @@ class ObjectiveConfig:
     kl_mode: str = "soft"            # soft: + beta * M * D | hard: drop masked tokens with D > kl_tau
     kl_tau: float = 0.0              # threshold of the hard mask
     clip_choice: str = "band"        # band: clip the sequences the band clips | random: as many, drawn at random
-    # MPO (our reconstruction; see mpo_loss, section 3.4)
+    # MPO (our reconstruction; see mpo_loss, section 3.7)
     block_size: int = 4              # K tokens per action block
     block_ratio: str = "joint"       # joint (product of K ratios) | geomean (their geometric mean)
     block_agg: str = "seq-mean-block-mean"  # seq-mean-block-mean | block-mean | token-weighted
+    # CISPO and SAPO (sections 3.3, 3.6)
+    cispo_weight: str = "clip"       # CISPO's w: clip(r, 1 - eps_low, 1 + eps_high) (verl) | cap: min(r, eps_high), TRL
+    sapo_tau_pos: float = 1.0        # SAPO's gate temperature where the advantage is > 0
+    sapo_tau_neg: float = 1.05       # SAPO's gate temperature where the advantage is <= 0
     # Clip-Cov / KL-Cov (Cui et al. 2505.22617)
     clip_cov_ratio: float = 2e-4     # fraction of valid tokens whose gradient Clip-Cov detaches
     clip_cov_lb: float = 1.0         # lower bound: Clip-Cov candidates have clip_cov_lb < Cov < clip_cov_ub
     clip_cov_ub: float = 5.0         # upper bound of the Clip-Cov candidates' covariance
     kl_cov_ratio: float = 2e-3       # fraction of valid tokens (top Cov) that KL-Cov penalises
+    sampler_correction: str = "none"  # none | truncate (weight min(pi_old / pi_sampler, cap)) | mask (0 past the cap)
+    sampler_correction_cap: float = 2.0  # the cap C on the weight pi_old / pi_sampler (2 as in verl)
+    top_entropy_share: float = 1.0   # train only this share of tokens, those of highest old-policy entropy (1: all)
 
     def __post_init__(self):
         check_config(self)
@@ -331,6 +360,8 @@ KL_MODES = ("soft", "hard")
 CLIP_CHOICES = ("band", "random")
 BLOCK_RATIOS = ("joint", "geomean")
 BLOCK_AGGREGATIONS = ("seq-mean-block-mean", "block-mean", "token-weighted")
+CISPO_WEIGHTS = ("clip", "cap")
+SAMPLER_CORRECTIONS = ("none", "truncate", "mask")
 
 
 def check_config(cfg: ObjectiveConfig) -> None:
@@ -345,13 +376,16 @@ def check_config(cfg: ObjectiveConfig) -> None:
     _check_choice("block_ratio", cfg.block_ratio, BLOCK_RATIOS)
     _check_choice("block_agg", cfg.block_agg, BLOCK_AGGREGATIONS)
     _check_choice("clip_choice", cfg.clip_choice, CLIP_CHOICES)
+    _check_choice("cispo_weight", cfg.cispo_weight, CISPO_WEIGHTS)
+    _check_choice("sampler_correction", cfg.sampler_correction, SAMPLER_CORRECTIONS)
     if cfg.clip_choice == "random" and cfg.ratio_mode != "gspo_token":
         raise InvalidSetting("clip_choice", cfg.clip_choice, "band with ratio_mode='gmpo' (random is for gspo_token)")
     for name in ("eps_low", "eps_high", "beta", "kl_tau", "adv_eps", "clip_cov_ratio", "kl_cov_ratio", "entropy_coef"):
         if not getattr(cfg, name) >= 0:
             raise InvalidSetting(name, getattr(cfg, name), "a number >= 0")
-    if not cfg.log_ratio_clamp > 0:
-        raise InvalidSetting("log_ratio_clamp", cfg.log_ratio_clamp, "a number > 0")
+    for name in ("log_ratio_clamp", "sapo_tau_pos", "sapo_tau_neg", "sampler_correction_cap"):  # inf: no clamp, ...
+        if not 0 < getattr(cfg, name) < math.inf:
+            raise InvalidSetting(name, getattr(cfg, name), "a finite number > 0")
     if cfg.dual_clip_c is not None and not cfg.dual_clip_c > 1:
         raise InvalidSetting("dual_clip_c", cfg.dual_clip_c, "a number > 1 or None")
     if cfg.norm_constant is not None and not cfg.norm_constant > 0:
@@ -360,6 +394,8 @@ def check_config(cfg: ObjectiveConfig) -> None:
         raise InvalidSetting("block_size", cfg.block_size, "an integer K >= 1")
     if not cfg.clip_cov_lb < cfg.clip_cov_ub:
         raise InvalidSetting("clip_cov_lb", cfg.clip_cov_lb, f"clip_cov_lb < clip_cov_ub={cfg.clip_cov_ub!r}")
+    if not 0 < cfg.top_entropy_share <= 1:
+        raise InvalidSetting("top_entropy_share", cfg.top_entropy_share, "a share in (0, 1]; 1 trains every token")
 
 
 # Each paper's settings ([P] paper, [I] verl/TRL, [INFERRED] this project's reconstruction).
@@ -375,6 +411,8 @@ PAPER_DEFAULTS: dict[str, ObjectiveConfig] = {
     # Dr. GRPO: no std in the advantage, sum over tokens / (B * L_max), no KL [P]
     "dr_grpo": ObjectiveConfig(eps_low=0.2, eps_high=0.2, aggregation="seq-mean-token-sum-norm",
                                advantage_scale="none"),
+    # CISPO: token-mean, no lower bound on the weight [P]; eps_low 10, eps_high 0.2 from verl's CISPO example [I]
+    "cispo": ObjectiveConfig(eps_low=10.0, eps_high=0.2, aggregation="token-mean", cispo_weight="clip"),
     # Entropy mechanism, official 7B scripts: clip range 1 (ratio in [0, 2]), r = 2e-4, (lb, ub) = (1, 5) [I]
     "clip_cov": ObjectiveConfig(eps_low=1.0, eps_high=1.0, aggregation="token-mean",
                                 clip_cov_ratio=2e-4, clip_cov_lb=1.0, clip_cov_ub=5.0,
@@ -385,6 +423,10 @@ PAPER_DEFAULTS: dict[str, ObjectiveConfig] = {
     # GSPO: sequence ratio, eps (3e-4, 4e-4), per-sequence mean, no KL [P]
     "gspo": ObjectiveConfig(eps_low=3e-4, eps_high=4e-4, aggregation="seq-mean-token-mean"),
     "gspo_token": ObjectiveConfig(eps_low=3e-4, eps_high=4e-4, aggregation="seq-mean-token-mean"),
+    # GMPO: log-space clip range (e^-0.4, e^0.4), mean over sequences, no KL [P; TRL's GMPOConfig, verl's example]
+    "gmpo": ObjectiveConfig(eps_low=0.4, eps_high=0.4, aggregation="seq-mean-token-mean"),
+    # SAPO: gate temperatures 1 (A > 0) and 1.05 (A <= 0), per-sequence mean, no KL [P/I]
+    "sapo": ObjectiveConfig(sapo_tau_pos=1.0, sapo_tau_neg=1.05, aggregation="seq-mean-token-mean"),
     # TEPO [INFERRED]: GSPO-token ratio, token-mean, KL mask with |delta| to the old policy, beta 1,
     # GSPO's clip range, dynamic sampling as in the entropy-mechanism recipe it likely reused
     "tepo": ObjectiveConfig(eps_low=3e-4, eps_high=4e-4, beta=1.0, kl_estimator="abs",
@@ -424,6 +466,7 @@ class ObjectiveInputs:
     ref_logp: torch.Tensor | None = None      # [B, T] log pi_ref, if the objective reads it and it is given
     entropy: torch.Tensor | None = None       # [B, T] entropy now, if read and given (TEPO's measured criterion)
     old_entropy: torch.Tensor | None = None   # [B, T] entropy at rollout time, if read and given
+    sampler_logp: torch.Tensor | None = None  # [B, T] the sampler's log-probs, with --sampler-correction
 
 
 @dataclass
@@ -447,9 +490,9 @@ def objective(*, reads: tuple[str, ...]):
 
     it makes the objective with the signature they all share (objective_fn, below), which, on each call:
       1. checks the inputs and gives them to the maths as ObjectiveInputs (_prepare, below). `reads`
-         names the optional tensors the objective reads (of ref_logp, entropy, old_entropy): those are
-         checked and passed on, the others are ignored;
-      2. computes the objective's PolicyTerms;
+         names the optional tensors the objective reads (of ref_logp, entropy, old_entropy; the options add
+         sampler_logp, old_entropy): those are checked and passed on, the others are ignored;
+      2. computes the objective's PolicyTerms, then applies the options to their loss, not their KL (_options);
       3. aggregates them: loss = pg_loss + beta * kl_loss, pg_loss and kl_loss aggregated alike
          (cfg.aggregation unless the terms name another) with the step's counts num_tokens / num_seqs
          (aggregate_loss: the micro-batch losses of one step then add up to the step's loss);
@@ -458,10 +501,12 @@ def objective(*, reads: tuple[str, ...]):
     """
     def make(policy_terms):
         def objective_fn(logp, old_logp, advantages, mask, cfg, *, ref_logp=None, entropy=None, old_entropy=None,
-                         num_tokens=None, num_seqs=None):
-            given = {"ref_logp": ref_logp, "entropy": entropy, "old_entropy": old_entropy}
-            x = _prepare(logp, old_logp, advantages, mask, cfg, **{name: given[name] for name in reads})
-            terms = policy_terms(x, cfg)
+                         sampler_logp=None, num_tokens=None, num_seqs=None):
+            given = {"ref_logp": ref_logp, "entropy": entropy, "old_entropy": old_entropy, "sampler_logp": sampler_logp}
+            options = () if not isinstance(cfg, ObjectiveConfig) else (     # the options' inputs (_prepare: a bad cfg)
+                ("sampler_logp",) * (cfg.sampler_correction != "none") + ("old_entropy",) * (cfg.top_entropy_share < 1))
+            x = _prepare(logp, old_logp, advantages, mask, cfg, **{name: given[name] for name in reads + options})
+            terms = _options(policy_terms(x, cfg), x, cfg)
             mode = terms.aggregation or cfg.aggregation
 
             def aggregate(loss_mat, valid, n_tokens):
@@ -480,6 +525,32 @@ def objective(*, reads: tuple[str, ...]):
         objective_fn.policy_terms, objective_fn.reads = policy_terms, reads
         return objective_fn
     return make
+
+
+def _options(terms: PolicyTerms, x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
+    """Step 2's options (section 1): terms.loss times the sampler's weight and the forking-token mask, before the
+    aggregation and not terms.kl (TRL, verl); a token weighed 0 stays in the count. Ours: a loss per block (MPO) takes
+    its block's weight, built as its ratio (block_log_ratio), and is kept if one of its tokens is; a sequence's loss
+    at its tokens (GSPO, TEPO's gmpo) gets their mean weight (verl's geo_mean: their geometric mean)."""
+    for name, option in (("sampler_logp", "sampler_correction"), ("old_entropy", "top_entropy_share")):
+        if getattr(x, name) is None and getattr(cfg, option) not in ("none", 1):
+            raise ValueError(f"{name}: {option}={getattr(cfg, option)!r} reads it; pass {name} [B, T] or switch it off")
+    blocks, units = terms.units is not None, x.mask if terms.units is None else terms.units     # [B, T] or [B, J]
+    if cfg.sampler_correction != "none":
+        s = x.sampler_logp.detach().to(x.old_logp.dtype)
+        log_w = block_log_ratio(x.old_logp, s, x.mask, cfg.block_size, cfg.block_ratio)[0] if blocks else x.old_logp - s
+        w = sampler_correction_weight(log_w, units, cfg.sampler_correction, cfg.sampler_correction_cap)
+        terms.loss, v = terms.loss * w, (w[units] if bool(units.any()) else w.new_ones(1))
+        capped = masked_mean((torch.exp(log_w) > cfg.sampler_correction_cap).to(w.dtype), units)   # or masked
+        terms.extra.update({"sampler_correction/weight_mean": v.mean(), "sampler_correction/weight_min": v.amin(),
+                            "sampler_correction/weight_max": v.amax(), "sampler_correction/capped_frac": capped})
+    if cfg.top_entropy_share < 1:
+        keep = top_entropy_mask(x.old_entropy, x.mask, cfg.top_entropy_share)                           # [B, T]
+        terms.extra["top_entropy/kept_frac"] = masked_mean(keep.to(x.logp.dtype), x.mask)
+        if blocks:                    # [B, J]: a block is kept if one of its tokens is
+            keep = torch.zeros_like(units, dtype=int).scatter_add(1, block_index(x.mask, cfg.block_size), 1 * keep) > 0
+        terms.loss = torch.where(keep, terms.loss, torch.zeros_like(terms.loss))
+    return terms
 
 
 # ---- step 1: the checks ----------------------------------------------------------------------------
@@ -581,17 +652,14 @@ def _metrics(loss, pg_loss, kl_loss, terms: PolicyTerms, x: ObjectiveInputs) -> 
       clip_ratio/high_mean           fraction clipped at 1 + eps_high (A > 0)
       clip_ratio/region_mean         either of the two
       ratio/mean, ratio/min, ratio/max   the importance ratio the objective clips
-      kl_old/k1, kl_old/k3           KL(pi_old || pi_theta) from the rollout's tokens; k1 is verl's
-                                     ppo_kl while every |log-ratio| <= 20 (verl averages the
-                                     clamped log-ratio, tepo the raw one); k3 is kl_penalty's at x = -delta,
-                                     as expm1(delta) - delta without verl's clamps: in float32 it keeps a KL
-                                     of 1e-8 near ratio 1 (exp(delta) - 1 rounds it away) and it shows a ratio
-                                     that blew up, not kl_penalty's cap of 10 (test_tepo.py checks both)
+      kl_old/k1, kl_old/k3           KL(pi_old || pi_theta) from the rollout's tokens; k1 is verl's ppo_kl while
+                                     every |log-ratio| <= 20 (verl averages the clamped log-ratio, tepo the raw
+                                     one); k3 is kl_penalty's at x = -delta, as expm1(delta) - delta without verl's
+                                     clamps: in float32 it keeps a KL of 1e-8 near ratio 1 (exp(delta) - 1 rounds
+                                     it away), and a ratio that blew up shows, not a cap of 10 (test_tepo.py)
       kl_ref                         kl_penalty's k3 to the reference, when the objective reads ref_logp and it is given
-      on_policy                      1.0 when every ratio is exactly 1: clipping, GSPO's clipping,
-                                     TEPO's KL mask (target old) and KL-Cov's penalty cannot act
-                                     on this step. The loss value is then ~0 with centred
-                                     advantages, while the gradient is not.
+      on_policy                      1.0 when every ratio is exactly 1: clipping, GSPO's clipping, TEPO's KL mask
+                                     (target old) and KL-Cov's penalty cannot act on this step.
     and the objective's own (terms.extra). One transfer to the CPU for all of them.
     """
     mask = x.mask
@@ -627,8 +695,8 @@ def token_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tens
     """delta_{i,t} = log pi_theta - log pi_old, clamped to [-clamp, clamp], 0 at padding.   [B, T]
 
     The clamp keeps exp(delta) finite when a ratio explodes; inside it the gradient is exactly
-    d logp. verl 0.9.1 clamps at 20 in its `vanilla` loss only: its `gspo` clamps the log-ratio at
-    10 from above, and `clip_cov`, `kl_cov` and `geo_mean` do not clamp.
+    d logp. verl 0.9.1 clamps at 20 in its `vanilla`, `cispo` and `sapo` losses; its `gspo` clamps the
+    log-ratio at 10 from above, and `clip_cov`, `kl_cov` and `geo_mean` do not clamp.
     """
     delta = (logp - old_logp).clamp(-clamp, clamp)
     return torch.where(mask.bool(), delta, torch.zeros_like(delta))
@@ -643,12 +711,11 @@ def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, ep
                       dual_clip_c: float | None = None):
     """PPO's pessimistic clipped loss, elementwise: max(-A r, -A clip(r, 1-eps_low, 1+eps_high)).
 
-    Returns (loss, clipped_low, clipped_high). A token is clipped, and gets zero gradient, when its
-    ratio has left the band in the direction its advantage pushes: r > 1 + eps_high with A > 0, or
-    r < 1 - eps_low with A < 0. At r = 1 nothing is clipped and the gradient is exactly
-    -A * d log pi (d r = r d log pi, r = 1; no factor 2: test_tepo.py, property 38).
-    Dual-clip: with A < 0 the loss is also capped at -A * c, so an exploded ratio on a
-    negative-advantage token cannot blow the loss up.
+    Returns (loss, clipped_low, clipped_high). A token is clipped, and gets zero gradient, when its ratio has
+    left the band in the direction its advantage pushes: r > 1 + eps_high with A > 0, or r < 1 - eps_low with
+    A < 0. At r = 1 nothing is clipped and the gradient is exactly -A * d log pi (d r = r d log pi, r = 1; no
+    factor 2: test_tepo.py, property 38). Dual-clip: with A < 0 the loss is also capped at -A * c, so an
+    exploded ratio on a negative-advantage token cannot blow the loss up.
     """
     loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps_low, 1 + eps_high))
     if dual_clip_c is not None:
@@ -683,12 +750,11 @@ def ppo_clip_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
                   [+ dual clip: min(l, -A c) where A < 0]  + beta * KL_k(pi_theta || pi_ref)_{i,t}
         r_{i,t} = exp(log pi_theta - log pi_old)
 
-    Paper: Schulman et al., arXiv 1707.06347 (the original uses GAE advantages from a critic; here
-    the advantages are whatever you pass, usually group-relative). verl 0.9.1: policy_loss.loss_mode=
-    "vanilla" (clip_ratio_low/high; it always dual-clips, clip_ratio_c=3 by default).
-    Defaults: PAPER_DEFAULTS["ppo"].
-    Does nothing special when on-policy: every r = 1, no token is clipped, and the gradient is the
-    plain policy gradient -A d log pi (aggregated).
+    Paper: Schulman et al., arXiv 1707.06347 (the original uses GAE advantages from a critic; here the advantages
+    are whatever you pass, usually group-relative). verl 0.9.1: policy_loss.loss_mode="vanilla"
+    (clip_ratio_low/high; it always dual-clips, clip_ratio_c=3 by default). Defaults: PAPER_DEFAULTS["ppo"].
+    Does nothing special when on-policy: every r = 1, no token is clipped, and the gradient is the plain policy
+    gradient -A d log pi (aggregated).
     """
     return _ppo_clip_terms(x, cfg, "ppo")
 
@@ -704,14 +770,13 @@ def grpo_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
         J = E[ (1/G) sum_i (1/|o_i|) sum_t { min(r A_i, clip(r, 1-eps, 1+eps) A_i) - beta D_KL,i,t } ]
         A_i = (r_i - mean(r_group)) / std(r_group),  D_KL = pi_ref/pi - log(pi_ref/pi) - 1   (k3)
 
-    GRPO is a choice of advantages (group_advantages, scale="group"), aggregation ("seq-mean-token-mean")
-    and KL (beta=0.04, k3).
-    Paper: arXiv 2402.03300 (DeepSeekMath, Shao et al. 2024). TRL 1.16: GRPOTrainer(loss_type="grpo",
-    beta=0.04). verl 0.9.1: algorithm.adv_estimator=grpo, loss_agg_mode=seq-mean-token-mean,
-    use_kl_loss=True, kl_loss_type=low_var_kl; verl's `vanilla` loss always dual-clips (c = 3), which
-    tepo's GRPO, DAPO and Dr. GRPO defaults do not (dual_clip_c=3 to match). DeepSeekMath made one
-    update per rollout, so r = 1 and the clip never acted (metrics: on_policy = 1); a group whose
-    rewards are all equal has A = 0 and contributes only its KL gradient. Defaults: PAPER_DEFAULTS["grpo"].
+    GRPO is a choice of advantages (group_advantages, scale="group"), aggregation ("seq-mean-token-mean") and
+    KL (beta=0.04, k3). Paper: arXiv 2402.03300 (DeepSeekMath, Shao et al. 2024). TRL 1.16:
+    GRPOTrainer(loss_type="grpo", beta=0.04). verl 0.9.1: algorithm.adv_estimator=grpo, loss_agg_mode=
+    seq-mean-token-mean, use_kl_loss=True, kl_loss_type=low_var_kl; verl's `vanilla` loss always dual-clips
+    (c = 3), which tepo's GRPO, DAPO and Dr. GRPO defaults do not (dual_clip_c=3 to match). DeepSeekMath made one
+    update per rollout, so r = 1 and the clip never acted (metrics: on_policy = 1); a group whose rewards are all
+    equal has A = 0 and contributes only its KL gradient. Defaults: PAPER_DEFAULTS["grpo"].
     """
     return _ppo_clip_terms(x, cfg, "grpo")
 
@@ -723,13 +788,12 @@ def dapo_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
         J = E[ 1/(sum_i |o_i|) sum_i sum_t min(r_{i,t} A_i, clip(r_{i,t}, 1-eps_low, 1+eps_high) A_i) ]
         subject to 0 < #correct in the group < G
 
-    Four techniques: clip-higher (eps_low 0.2, eps_high 0.28: low-probability tokens with positive
-    advantage may grow, which slows entropy collapse); token-mean aggregation (every token weighs
-    the same, so long answers are not down-weighted); dynamic sampling (dynamic_sampling_mask,
-    data side); overlong reward shaping (soft_overlong_punishment, data side). No KL (beta = 0).
-    Paper: arXiv 2503.14476 (Yu et al. 2025). TRL 1.16: loss_type="dapo", epsilon=0.2,
-    epsilon_high=0.28. verl 0.9.1: clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=token-mean,
-    algorithm.filter_groups. Defaults: PAPER_DEFAULTS["dapo"].
+    Four techniques: clip-higher (eps_low 0.2, eps_high 0.28: low-probability tokens with positive advantage may
+    grow, which slows entropy collapse); token-mean aggregation (every token weighs the same, so long answers are
+    not down-weighted); dynamic sampling (dynamic_sampling_mask, data side); overlong reward shaping
+    (soft_overlong_punishment, data side). No KL (beta = 0). Paper: arXiv 2503.14476 (Yu et al. 2025). TRL 1.16:
+    loss_type="dapo", epsilon=0.2, epsilon_high=0.28. verl 0.9.1: clip_ratio_low=0.2, clip_ratio_high=0.28,
+    loss_agg_mode=token-mean, algorithm.filter_groups. Defaults: PAPER_DEFAULTS["dapo"].
     On-policy the clip does nothing and DAPO is the token-mean policy gradient.
     """
     return _ppo_clip_terms(x, cfg, "dapo")
@@ -774,16 +838,37 @@ def dr_grpo_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
         J = E[ 1/(G L) sum_i sum_t min(r_{i,t} A~_i, clip(r_{i,t}, 1-eps, 1+eps) A~_i) ],
         A~_i = r_i - mean(r_group)
 
-    1/|o_i| is gone (it under-penalises long wrong answers), replaced by a constant L (norm_constant; the
-    max generation length); 1/std is gone from the advantage (advantage_scale="none"; it up-weights too
-    easy and too hard questions). No KL. Defaults: PAPER_DEFAULTS["dr_grpo"].
-    Paper: arXiv 2503.20783 (Liu et al. 2025). TRL 1.16: loss_type="dr_grpo", scale_rewards="none".
-    verl 0.9.1: loss_agg_mode=seq-mean-token-sum-norm (it divides by B * C, as here), norm_adv_by_std_in_grpo=False.
+    1/|o_i| is gone (it under-penalises long wrong answers), replaced by a constant L (norm_constant; the max
+    generation length); 1/std is gone from the advantage (advantage_scale="none"; it up-weights too easy and too
+    hard questions). No KL. Defaults: PAPER_DEFAULTS["dr_grpo"]. Paper: arXiv 2503.20783 (Liu et al. 2025). TRL
+    1.16: loss_type="dr_grpo", scale_rewards="none". verl 0.9.1: loss_agg_mode=seq-mean-token-sum-norm (it
+    divides by B * C, as here), norm_adv_by_std_in_grpo=False.
     """
     return _ppo_clip_terms(x, cfg, "dr_grpo")
 
 
-# ---- 3.3 GSPO and GSPO-token (Zheng et al. 2025, Qwen team, arXiv 2507.18071) ------------------------
+# ---- 3.3 CISPO (MiniMax 2025, MiniMax-M1, arXiv 2506.13585) ------------------------------------------
+
+@objective(reads=("ref_logp",))
+def cispo_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
+    """CISPO: clip the importance weight, not the update: every token keeps a gradient, -w A d log pi.
+
+        l_{i,t} = -sg[w_{i,t}] A_{i,t} log pi_theta(o_{i,t}),   w_{i,t} = clip(r_{i,t}, 1 - eps_low, 1 + eps_high)
+
+    PPO's clip drops the tokens whose ratio left the band, often the rare ones that fork a chain of thought;
+    CISPO keeps them with a bounded weight. At r = 1 it is the policy gradient; its loss value is not ratio-shaped.
+    Paper: arXiv 2506.13585 section 3.1: token-mean, no lower bound (eps_low large). The peers differ on w
+    (cispo_weight): clip, the default (verl 0.9.1 loss_mode="cispo"; its example: clip_ratio_low 10, high 0.2) |
+    cap: min(r, eps_high), an absolute cap (TRL 1.16 loss_type="cispo"; ScaleRL, arXiv 2510.13786, uses 5: set
+    eps_high). clip_ratio counts the weights the clip changed, any sign of A (verl; TRL counts A > 0 capped).
+    """
+    ratio = _token_ratio(x, cfg)                                                        # [B, T]
+    low, high = (1 - cfg.eps_low, 1 + cfg.eps_high) if cfg.cispo_weight == "clip" else (0.0, cfg.eps_high)
+    w = ratio.detach().clamp(low, high)                                                 # sg[w]: a weight, no gradient
+    return PolicyTerms(-w * x.adv * x.logp, ratio, ratio < low, ratio > high, kl=_reference_kl(x, cfg, "cispo"))
+
+
+# ---- 3.4 GSPO and GSPO-token (Zheng et al. 2025, Qwen team, arXiv 2507.18071) ------------------------
 
 def _sequence_advantages(x: ObjectiveInputs, objective_name: str) -> torch.Tensor:
     """The per-sequence advantages [B] as constants in logp's dtype; non-finite ones (rows with nothing
@@ -810,12 +895,11 @@ def gspo_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
         J = E[ (1/G) sum_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i) ]
         s_i = (pi_theta(o_i|q) / pi_old(o_i|q)) ** (1/|o_i|) = exp(mean_t delta_{i,t})
 
-    The reward is given to a sequence, so the ratio is a sequence's too: a sequence is clipped as
-    a unit (all its tokens get zero gradient), whatever its individual token ratios. Unclipped
-    gradient: (1/G) sum_i s_i A_i (1/|o_i|) sum_t d log pi_{i,t}.
-    Here the sequence loss is spread over the sequence's tokens so that the `aggregation` switch
-    applies: "seq-mean-token-mean" (the paper) gives exactly the mean over sequences; "token-mean"
-    would weigh sequences by length (TRL warns about this).
+    The reward is given to a sequence, so the ratio is a sequence's too: a sequence is clipped as a unit (all its
+    tokens get zero gradient), whatever its individual token ratios. Unclipped gradient: (1/G) sum_i s_i A_i
+    (1/|o_i|) sum_t d log pi_{i,t}. Here the sequence loss is spread over the sequence's tokens so that the
+    `aggregation` switch applies: "seq-mean-token-mean" (the paper) gives exactly the mean over sequences;
+    "token-mean" would weigh sequences by length (TRL warns about this).
     Paper: arXiv 2507.18071, eps (3e-4, 4e-4), 4 mini-batches per rollout, no KL. TRL 1.16:
     importance_sampling_level="sequence", loss_type="grpo". verl 0.9.1: loss_mode="gspo" (it honours
     loss_agg_mode, default token-mean, and clamps the log-ratio at 10 from above).
@@ -844,16 +928,67 @@ def gspo_token_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
         w_{i,t} = sg[s_i] * pi_theta(o_{i,t}) / sg[pi_theta(o_{i,t})]     (value s_i, grad s_i d log pi)
         J = E[ (1/G) sum_i (1/|o_i|) sum_t min(w_{i,t} A_{i,t}, clip(w_{i,t}, 1-eps_low, 1+eps_high) A_{i,t}) ]
 
-    With A_{i,t} = A_i it equals GSPO in value, clipping decisions and gradient, on- and
-    off-policy. Paper: arXiv 2507.18071 section 4.3. TRL 1.16 has no GSPO-token (its
-    importance_sampling_level is "token" or "sequence"). verl 0.9.1: loss_mode="gspo" is this form.
+    With A_{i,t} = A_i it equals GSPO in value, clipping decisions and gradient, on- and off-policy. Paper: arXiv
+    2507.18071 section 4.3. TRL 1.16 has no GSPO-token (its importance_sampling_level is "token" or "sequence").
+    verl 0.9.1: loss_mode="gspo" is this form.
     """
     w = _sequence_ratio_per_token(x, cfg)                                               # [B, T]
     loss, low, high = clipped_surrogate(w, x.adv, cfg.eps_low, cfg.eps_high)
     return PolicyTerms(loss, w, low, high, kl=_reference_kl(x, cfg, "gspo_token"))
 
 
-# ---- 3.4 MPO (Xu et al. 2026, arXiv 2602.14386) -- RECONSTRUCTION ----------------------------------
+# ---- 3.5 GMPO (Zhao et al. 2025, arXiv 2507.20673) ----------------------------------------------------
+
+def _gmpo_surrogate(x: ObjectiveInputs, cfg: ObjectiveConfig, name: str):
+    """GMPO's loss -A_i R_i and ratio R_i at each token of row i, and where the clip binds: 4 tensors [B, T]."""
+    seq_adv = _sequence_advantages(x, name)                                              # [B]
+    sign = torch.sign(seq_adv).unsqueeze(-1)                                             # [B, 1]; 0 where A = 0
+    delta = token_log_ratio(x.logp, x.old_logp, x.mask, cfg.log_ratio_clamp)             # [B, T]
+    m = sign * torch.minimum(sign * delta, sign * delta.clamp(-cfg.eps_low, cfg.eps_high))    # A < 0: a max
+    R = torch.exp(masked_mean(m, x.mask, dim=-1))                                        # [B]
+    low, high = (delta < -cfg.eps_low) & (x.adv < 0), (delta > cfg.eps_high) & (x.adv > 0)
+    return _per_position(-seq_adv * R, x.logp), _per_position(R, x.logp), low, high
+
+
+@objective(reads=("ref_logp",))
+def gmpo_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
+    """GMPO: the geometric mean of the token ratios, each clipped first, in log space, in the direction of A.
+
+        J = E[ (1/G) sum_i A_i R_i ],  R_i = exp(mean_t m_{i,t}),  m = min(l, clip(l, -eps_low, eps_high)) if A_i > 0,
+        max(l, clip(l, -eps_low, eps_high)) if A_i < 0,  l_{i,t} = log r_{i,t}
+
+    One outlier token ratio swings GRPO's arithmetic mean, not a geometric one: GMPO clips wider, (e^-0.4, e^0.4).
+    A clipped token has zero gradient and adds its bound to the exponent; the others of row i share one gradient,
+    -A_i R_i / (G |o_i|) d log pi (at ratio 1, GRPO's). Paper: arXiv 2507.20673, eps 0.4; verl 0.9.1 "geo_mean"
+    and TRL 1.16 trl.experimental.gmpo agree (at A_i = 0, verl's R_i = 1, followed here). Both divide by every
+    row, as seq-mean-token-mean with num_seqs (else the non-empty rows). Ours: the clamp of l (log_ratio_clamp).
+    clip_ratio counts the binding clips, as TRL (verl counts every token outside the band, by the sign of A).
+    """
+    return PolicyTerms(*_gmpo_surrogate(x, cfg, "gmpo"), kl=_reference_kl(x, cfg, "gmpo"))   # loss, R_i, clips
+
+
+# ---- 3.6 SAPO (Gao et al. 2025, Qwen team, arXiv 2511.20347) -------------------------------------------
+
+@objective(reads=("ref_logp",))
+def sapo_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
+    """SAPO: a smooth gate in place of the hard clip: the gradient fades as the ratio leaves 1, never to 0.
+
+        l_{i,t} = -f(r_{i,t}) A_{i,t},   f(r) = (4 / tau) sigmoid(tau (r - 1)),   tau = tau_pos if A > 0, else tau_neg
+        gradient: -A w(r) d log pi,   w(r) = 4 r s (1 - s),   s = sigmoid(tau (r - 1))
+
+    w(1) = 1 for any tau (at ratio 1, the policy gradient; the loss there is -2A/tau) and w > 0 for every r, falling
+    on both sides of 1, faster for a larger tau: tau_neg > tau_pos damps A <= 0 more (its gradient raises every
+    other token). Paper: arXiv 2511.20347, sapo_tau_pos 1, _neg 1.05, per-sequence mean, as verl loss_mode="sapo" (its
+    clamp of l at +-20: log_ratio_clamp) and TRL loss_type="sapo" (no clamp). sapo/weight_mean: w's mean.
+    """
+    ratio = _token_ratio(x, cfg)                                                        # [B, T]
+    tau = torch.where(x.adv > 0, x.adv.new_tensor(cfg.sapo_tau_pos), x.adv.new_tensor(cfg.sapo_tau_neg))
+    s, no_clip = torch.sigmoid(tau * (ratio - 1)), torch.zeros_like(x.mask)             # [B, T] each
+    return PolicyTerms(-(4 / tau) * s * x.adv, ratio, no_clip, no_clip, kl=_reference_kl(x, cfg, "sapo"),
+                       extra={"sapo/weight_mean": masked_mean((4 * ratio * s * (1 - s)).detach(), x.mask)})
+
+
+# ---- 3.7 MPO (Xu et al. 2026, arXiv 2602.14386) -- RECONSTRUCTION ----------------------------------
 
 def block_index(mask: torch.Tensor, block_size: int) -> torch.Tensor:
     """Which K-token block each position belongs to.                                      [B, T] long
@@ -871,13 +1006,12 @@ def block_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tens
                     block_ratio: str = "joint") -> tuple[torch.Tensor, torch.Tensor]:
     """Log-ratio of each K-token block (MPO, reconstruction).         [B, T] -> ([B, J], [B, J])
 
-    joint:   log rho_{i,j} = sum_{t in block} delta_{i,t}   (K tokens are ONE action: the ratio of
-             the action's probability is the product of its token ratios)
-    geomean: log rho_{i,j} = mean_{t in block} delta_{i,t}  (the geometric-mean reading; a partial
-             last block is normalised by its own length)
-    J = ceil(T / K). Returns the block log-ratios and the number of valid tokens in each block
-    (0 marks an empty block). The last block of a response is partial when K does not divide
-    its length.
+    joint:   log rho_{i,j} = sum_{t in block} delta_{i,t}   (K tokens are ONE action: the ratio of the action's
+             probability is the product of its token ratios)
+    geomean: log rho_{i,j} = mean_{t in block} delta_{i,t}  (the geometric-mean reading; a partial last block is
+             normalised by its own length)
+    J = ceil(T / K). Returns the block log-ratios and the number of valid tokens in each block (0 marks an empty
+    block). The last block of a response is partial when K does not divide its length.
     """
     _check_choice("block_ratio", block_ratio, BLOCK_RATIOS)
     blk = block_index(mask, block_size)                                     # [B, T]; checks K >= 1
@@ -899,23 +1033,19 @@ def mpo_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
         J = E[ (1/G) sum_i (1/J_i) sum_j min(rho_{i,j} A_i, clip(rho_{i,j}, 1-eps_low, 1+eps_high) A_i) ]
         rho_{i,j} = prod_{t in block j} r_{i,t}          (block_ratio="joint")
                   = (prod_{t in block j} r_{i,t})^(1/|block|)   (block_ratio="geomean")
-        blocks: K = block_size consecutive response tokens; J_i = ceil(|o_i| / K); the last block
-        may be shorter.
+        blocks: K = block_size consecutive response tokens; J_i = ceil(|o_i| / K); the last block may be shorter.
 
-    What is public (arXiv 2602.14386): one semantic decision spans several tokens, so MPO treats K
-    consecutive tokens as one action and changes only the importance ratio. What is ours: the block
-    construction, the ratio normalisation, the partial last block and the aggregation. A block is
-    clipped as a unit. Aggregation reads `block_agg`, not `aggregation`, because the unit is a block:
+    What is public (arXiv 2602.14386): one semantic decision spans several tokens, so MPO treats K consecutive
+    tokens as one action and changes only the importance ratio. What is ours: the block construction, the ratio
+    normalisation, the partial last block and the aggregation. A block is clipped as a unit. Aggregation reads
+    `block_agg`, not `aggregation`, because the unit is a block:
       seq-mean-block-mean  mean over a sequence's blocks, then over sequences (GRPO-like; honours num_seqs)
       block-mean           every block in the batch weighs the same (DAPO-like)
-      token-weighted       each block's loss given to each of its tokens, then token-mean
-                           (honours num_tokens)
-    The KL part (beta > 0) is per token, aggregated like the blocks (token-mean, or
-    seq-mean-token-mean for seq-mean-block-mean).
-    K = 1 is the token-level clipped surrogate (GRPO / DAPO); K >= the longest answer with
-    "geomean" is GSPO. A joint ratio drifts about K times faster than a token ratio: clip eps
-    or the log-ratio clamp may need to shrink with K.
-    On-policy every rho = 1 and nothing is clipped.
+      token-weighted       each block's loss given to each of its tokens, then token-mean (honours num_tokens)
+    The KL part (beta > 0) is per token, aggregated like the blocks (token-mean, or seq-mean-token-mean for
+    seq-mean-block-mean). K = 1 is the token-level clipped surrogate (GRPO / DAPO); K >= the longest answer with
+    "geomean" is GSPO. A joint ratio drifts about K times faster than a token ratio: clip eps or the log-ratio
+    clamp may need to shrink with K. On-policy every rho = 1 and nothing is clipped.
     """
     seq_adv = _sequence_advantages(x, "mpo")                                                  # [B]
     log_rho, n_blk = block_log_ratio(x.logp, x.old_logp, x.mask, cfg.block_size, cfg.block_ratio)  # [B, J] each
@@ -959,9 +1089,9 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0,
                         chunk_size: int = 1024) -> torch.Tensor:
     """Full-vocabulary entropy H = -sum_v p_v log p_v at every position.        [..., V] -> [...]
 
-    This is the entropy of the policy, not the mean -log p of the sampled token (a one-sample
-    estimate of it; test_tepo.py, property 37). Rows are processed `chunk_size` at a time, so a 150k
-    vocabulary never needs a second full-size float tensor. No gradient: it is a diagnostic.
+    This is the entropy of the policy, not the mean -log p of the sampled token (a one-sample estimate of it;
+    test_tepo.py, property 37). Rows are processed `chunk_size` at a time, so a 150k vocabulary never needs a
+    second full-size float tensor. No gradient: it is a diagnostic.
     """
     flat = logits.reshape(-1, logits.shape[-1])
     out = torch.empty(flat.shape[0], dtype=torch.promote_types(logits.dtype, torch.float32),
@@ -1055,13 +1185,13 @@ def entropy_change_prediction(logits_before: torch.Tensor, logits_after: torch.T
                               temperature: float = 1.0, chunk_size: int = 1024):
     """The derivation checked on real logits: predicted vs measured entropy change per position.
 
-    Given the logits at the same positions before and after an update ([N, V] or [..., V]),
-    returns (predicted, measured), each [...]:
+    Given the logits at the same positions before and after an update ([N, V] or [..., V]), returns
+    (predicted, measured), each [...]:
       predicted = -Cov_{a~p_before}(log p_before, dz),  dz = (z_after - z_before) / temperature
       measured  = H(p_after) - H(p_before)
-    at the sampling temperature. They agree to first order; their gap is the O(dz^2) term.
-    Chunked over rows so a large vocabulary fits. bf16 logits are computed in float32, where
-    changes below ~1e-6 nats are at the rounding level; float64 logits stay float64.
+    at the sampling temperature. They agree to first order; their gap is the O(dz^2) term. Chunked over rows so
+    a large vocabulary fits. bf16 logits are computed in float32, where changes below ~1e-6 nats are at the
+    rounding level; float64 logits stay float64.
     """
     if logits_before.shape != logits_after.shape:
         raise ValueError(f"logits_after: shape {tuple(logits_after.shape)} does not match "
@@ -1095,12 +1225,11 @@ def entropy_bonus(logits: torch.Tensor, mask: torch.Tensor, cfg: ObjectiveConfig
     """The entropy bonus, a loss term: -entropy_coef * aggregate(H), H the full-vocabulary entropy at each
     token, WITH its gradient.                                                 [B, T, V], [B, T] -> scalar
 
-    A classic remedy against entropy collapse (Williams and Peng 1991; PPO's c2 S[pi] term, arXiv
-    1707.06347 eq. 9). Added by the trainer to any objective's loss, as verl's actor adds its
-    entropy_coeff outside the policy losses, and aggregated like that objective's loss (cfg.aggregation,
-    num_tokens / num_seqs as in aggregate_loss). Its gradient on the logits z of a position is
-    -entropy_coef * w * dH/dz with dH/dz_v = -p_v (log p_v + H) (entropy_grad_wrt_logits, section 4),
-    w the aggregation weight.
+    A classic remedy against entropy collapse (Williams and Peng 1991; PPO's c2 S[pi] term, arXiv 1707.06347
+    eq. 9). Added by the trainer to any objective's loss, as verl's actor adds its entropy_coeff outside the
+    policy losses, and aggregated like that objective's loss (cfg.aggregation, num_tokens / num_seqs as in
+    aggregate_loss). Its gradient on the logits z of a position is -entropy_coef * w * dH/dz with
+    dH/dz_v = -p_v (log p_v + H) (entropy_grad_wrt_logits, section 4), w the aggregation weight.
     Flag: --entropy-coef. Zero (no gradient, no cost) when entropy_coef = 0.
     """
     if cfg.entropy_coef == 0:
@@ -1117,10 +1246,9 @@ def entropy_bonus(logits: torch.Tensor, mask: torch.Tensor, cfg: ObjectiveConfig
 def token_covariance(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Cov_{i,t} = (log pi_{i,t} - mean log pi) * (A_{i,t} - mean A), means over valid tokens.  [B, T]
 
-    Each token's contribution to Cov(log pi, A), the quantity that drives entropy down (section 4).
-    High values mark confident tokens with positive advantage (or rare ones with negative
-    advantage): the tokens that collapse entropy. Used by Clip-Cov, KL-Cov and TEPO's mask.
-    0 at padding.
+    Each token's contribution to Cov(log pi, A), the quantity that drives entropy down (section 4). High values
+    mark confident tokens with positive advantage (or rare ones with negative advantage): the tokens that
+    collapse entropy. Used by Clip-Cov, KL-Cov and TEPO's mask. 0 at padding.
     """
     logp = logp.detach()
     adv = _per_position(advantages.detach().to(logp.dtype), logp)
@@ -1137,13 +1265,12 @@ def clip_cov_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
         selected:   min(max(1, int(clip_cov_ratio * N_valid)), #candidates) drawn uniformly;
                     none at clip_cov_ratio = 0 (ours: the control that selects nothing)
 
-    High Cov_{i,t} = (log pi - mean)(A - mean) marks the tokens that drive entropy down
-    (section 4); freezing a few of them keeps entropy up. The draw uses torch's global RNG:
-    seed it for reproducibility.
-    Paper: arXiv 2505.22617. verl 0.9.1: policy_loss.loss_mode="clip_cov", clip_cov_ratio=2e-4,
-    clip_cov_lb=1, clip_cov_ub=5; the official scripts set clip_ratio_low = clip_ratio_high = 1.
-    Does something even on-policy (selection does not depend on the ratio), but selects nothing
-    when no token's covariance falls in (lb, ub). beta > 0 adds a k3 KL to the reference.
+    High Cov_{i,t} = (log pi - mean)(A - mean) marks the tokens that drive entropy down (section 4); freezing a
+    few of them keeps entropy up. The draw uses torch's global RNG: seed it for reproducibility.
+    Paper: arXiv 2505.22617. verl 0.9.1: policy_loss.loss_mode="clip_cov", clip_cov_ratio=2e-4, clip_cov_lb=1,
+    clip_cov_ub=5; the official scripts set clip_ratio_low = clip_ratio_high = 1. Does something even on-policy
+    (selection does not depend on the ratio), but selects nothing when no token's covariance falls in (lb, ub).
+    beta > 0 adds a k3 KL to the reference.
     """
     ratio = _token_ratio(x, cfg)                                                        # [B, T]
     loss, low, high = clipped_surrogate(ratio, x.adv, cfg.eps_low, cfg.eps_high)
@@ -1171,12 +1298,10 @@ def kl_cov_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
         l_{i,t} = -A r_{i,t} + beta |log pi_theta - log pi_old|_{i,t} * 1[(i,t) in top-k by Cov]
         k = max(1, int(kl_cov_ratio * N_valid))
 
-    Every other token gets the unclipped policy-gradient loss -A r. beta is KL-Cov's coefficient
-    (ppo_kl_coef), not a reference KL.
-    Paper: arXiv 2505.22617. verl 0.9.1: policy_loss.loss_mode="kl_cov", kl_cov_ratio (2e-3 for 7B,
-    2e-4 for 32B), ppo_kl_coef=1.
-    Does nothing on-policy: |0| = 0 and torch's d|x|/dx at 0 is 0, so with one update per rollout
-    KL-Cov is the plain unclipped policy gradient (metrics: on_policy = 1; test_tepo.py, property 44).
+    Every other token gets the unclipped policy-gradient loss -A r. beta is KL-Cov's coefficient (ppo_kl_coef),
+    not a reference KL. Paper: arXiv 2505.22617. verl 0.9.1: policy_loss.loss_mode="kl_cov", kl_cov_ratio (2e-3
+    for 7B, 2e-4 for 32B), ppo_kl_coef=1. Does nothing on-policy: |0| = 0 and torch's d|x|/dx at 0 is 0, so with
+    one update per rollout KL-Cov is the plain unclipped policy gradient (metrics: on_policy = 1; property 44).
     """
     ratio = _token_ratio(x, cfg)                                                        # [B, T]
     loss = -x.adv * ratio                                                   # unclipped, every token
@@ -1220,21 +1345,6 @@ def tepo_kl_mask(logp, advantages, mask, cfg, entropy=None, old_entropy=None) ->
     return (adv > 0) & decreasing & mask.bool()
 
 
-def _gmpo_surrogate(x: ObjectiveInputs, cfg: ObjectiveConfig):
-    """TEPO's ratio_mode="gmpo": the clip is applied to each token's log-ratio, in log space and in the
-    direction of A_i, before the geometric mean. Returns (loss, ratio, clipped_low, clipped_high), [B, T] each."""
-    seq_adv = _sequence_advantages(x, "tepo with ratio_mode='gmpo'")                    # [B]
-    sign = torch.sign(seq_adv).unsqueeze(-1)                                             # [B, 1]
-    delta = token_log_ratio(x.logp, x.old_logp, x.mask, cfg.log_ratio_clamp)
-    clipped = delta.clamp(-cfg.eps_low, cfg.eps_high)
-    delta_c = sign * torch.minimum(sign * delta, sign * clipped)                         # [B, T]
-    s = torch.exp(masked_mean(delta_c, x.mask, dim=-1))                                  # [B]
-    loss = _per_position(-seq_adv * s, x.logp)
-    low = (delta < -cfg.eps_low) & (x.adv < 0)
-    high = (delta > cfg.eps_high) & (x.adv > 0)
-    return loss, _per_position(s, x.logp), low, high
-
-
 def random_clip_like(unclipped: torch.Tensor, clipped: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor):
     """A control of ours, not from a paper: clip as many sequences as the band clipped, but drawn at random.
 
@@ -1265,35 +1375,27 @@ def tepo_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
         M_{i,t} = 1[A_i > 0] * 1[entropy decreasing at (i,t)]   (tepo_kl_mask; no gradient)
         D_{i,t} = KL estimate of pi_theta against pi_old (kl_target="old") or pi_ref ("ref")
 
-    What is public (arXiv 2510.09369 v1, 2604.12736 v2, ACL 2026): group rewards are linked to
-    tokens through the sequence ("Markov") likelihood with token-level aggregation, and a
-    token-level KL mask constrains tokens with positive advantage and decreasing entropy. What is
-    ours: everything else. It is GSPO-token's ratio with DAPO's token-mean,
-    plus the masked KL. The switches that cover the ambiguity:
-      ratio_mode        gspo_token (above) | gmpo (clip each token's log-ratio in log space,
-                        sign-aware, then take the geometric mean; GMPO / verl "geo_mean"). Its
-                        clip_ratio metrics count only the clips that bind (A > 0 and delta > eps_high,
-                        A < 0 and delta < -eps_low); verl's geo_mean counts every token outside
-                        [-eps_low, eps_high], split by the sign of A.
+    What is public (arXiv 2510.09369 v1, 2604.12736 v2, ACL 2026): group rewards are linked to tokens through
+    the sequence ("Markov") likelihood with token-level aggregation, and a token-level KL mask constrains tokens
+    with positive advantage and decreasing entropy. What is ours: everything else. It is GSPO-token's ratio with
+    DAPO's token-mean, plus the masked KL. The switches that cover the ambiguity:
+      ratio_mode        gspo_token (above) | gmpo (GMPO's clipped geometric-mean ratio and loss, section 3.5)
       entropy_criterion cov | measured                 (see tepo_kl_mask)
       kl_target         old | ref;  kl_estimator abs | k3 | ...;  beta (default 1)
-      kl_mode           soft (+ beta M D) | hard (drop the policy gradient of masked tokens whose
-                        D > kl_tau; beta unused)
+      kl_mode           soft (+ beta M D) | hard (drop the policy gradient of masked tokens whose D > kl_tau)
       aggregation       token-mean (default); seq-mean-token-mean gives GSPO + the mask (ablation)
       clip_choice       band (default) | random: a control of ours, not TEPO (random_clip_like)
-    Defaults: PAPER_DEFAULTS["tepo"]; eps (3e-4, 4e-4) are GSPO's, since a geometric-mean ratio
-    hardly moves and GRPO's 0.2 would never clip.
-    Does nothing beyond DAPO when on-policy: with kl_target="old", D = 0 and dD = 0 at r = 1, so the
-    mask only acts from the second mini-batch or epoch of a rollout on, and an on-policy TEPO
-    step has exactly DAPO's gradient (metrics: on_policy = 1). Off-policy with an empty mask it
-    weighs sequence i by |o_i| / mean|o| relative to GSPO (equal lengths: GSPO's gradient).
+    Defaults: PAPER_DEFAULTS["tepo"]; eps (3e-4, 4e-4) are GSPO's: a geometric-mean ratio hardly moves.
+    Does nothing beyond DAPO when on-policy: with kl_target="old", D = 0 and dD = 0 at r = 1, so the mask only
+    acts from the second mini-batch or epoch of a rollout on (metrics: on_policy = 1). Off-policy with an empty
+    mask it weighs sequence i by |o_i| / mean|o| relative to GSPO (equal lengths: GSPO's gradient).
     Metrics add kl_mask/frac (masked / valid tokens) and kl_mask/penalty (mean of M * D).
     """
     if cfg.ratio_mode == "gspo_token":
         w = _sequence_ratio_per_token(x, cfg)                                           # [B, T]
         loss, low, high = clipped_surrogate(w, x.adv, cfg.eps_low, cfg.eps_high)
     else:
-        loss, w, low, high = _gmpo_surrogate(x, cfg)
+        loss, w, low, high = _gmpo_surrogate(x, cfg, "tepo with ratio_mode='gmpo'")
     if cfg.clip_choice == "random":     # a control (ours): the band's number of clipped sequences, drawn at random
         loss, low, high = random_clip_like(-x.adv * w, low | high, x.adv, x.mask)
     kl_mask = tepo_kl_mask(x.logp, x.adv, x.mask, cfg, x.entropy, x.old_entropy)        # [B, T]
@@ -1314,36 +1416,21 @@ def tepo_loss(x: ObjectiveInputs, cfg: ObjectiveConfig) -> PolicyTerms:
 # 6. The objectives by name: each one's function, the switches it reads, the inputs it needs
 # =====================================================================================================
 
-OBJECTIVES = {
-    "ppo": ppo_clip_loss,
-    "grpo": grpo_loss,
-    "dapo": dapo_loss,
-    "dr_grpo": dr_grpo_loss,
-    "clip_cov": clip_cov_loss,
-    "kl_cov": kl_cov_loss,
-    "gspo": gspo_loss,
-    "gspo_token": gspo_token_loss,
-    "tepo": tepo_loss,
-    "mpo": mpo_loss,
-}
+OBJECTIVES = {"ppo": ppo_clip_loss, "grpo": grpo_loss, "dapo": dapo_loss, "dr_grpo": dr_grpo_loss, "cispo": cispo_loss,
+              "clip_cov": clip_cov_loss, "kl_cov": kl_cov_loss, "gspo": gspo_loss, "gspo_token": gspo_token_loss,
+              "gmpo": gmpo_loss, "sapo": sapo_loss, "tepo": tepo_loss, "mpo": mpo_loss}
 
 # Which ObjectiveConfig fields each objective reads; a field not listed changes nothing for that objective.
 # Where each setting comes from:
-#   eps_low, eps_high     PPO's clip range (Schulman et al., arXiv 1707.06347); eps_high > eps_low is
-#                         DAPO's clip-higher (arXiv 2503.14476)
+#   eps_low, eps_high     PPO's clip (arXiv 1707.06347); eps_high > eps_low is DAPO's clip-higher (arXiv 2503.14476)
 #   dual_clip_c           dual-clip PPO (Ye et al., arXiv 1912.09729), on by default in verl's `vanilla` loss
-#   log_ratio_clamp       an implementation guard (verl's clamp), no paper
-#   beta, kl_estimator    GRPO's KL to the reference (DeepSeekMath, arXiv 2402.03300, k3); KL-Cov's and
-#                         TEPO's penalty coefficient and estimator
-#   aggregation           GRPO seq-mean-token-mean, DAPO token-mean, Dr. GRPO (arXiv 2503.20783)
-#   norm_constant         seq-mean-token-sum-norm; Dr. GRPO's constant (its max generation length)
-#   advantage_scale       GRPO's group std ("group"); Dr. GRPO drops it ("none")
-#   adv_eps               an implementation guard in the std division, no paper
-#   dynamic_sampling, overlong_penalty   DAPO (arXiv 2503.14476)
-#   entropy_coef          the entropy bonus (PPO's c2, arXiv 1707.06347), added by the trainer (entropy_bonus)
-#   clip_cov_*, kl_cov_ratio             Clip-Cov / KL-Cov (Cui et al., arXiv 2505.22617)
-#   ratio_mode, entropy_criterion, kl_target, kl_mode, kl_tau   TEPO (arXiv 2510.09369), our reconstruction
-#   clip_choice           ours: an experiment's control for TEPO's band (docs/collapse.md)
+#   log_ratio_clamp, adv_eps   implementation guards (verl's clamp; the std division's epsilon), no paper
+#   beta, kl_estimator    GRPO's k3 KL to the reference (arXiv 2402.03300); KL-Cov's and TEPO's penalty
+#   aggregation, norm_constant, advantage_scale   GRPO, DAPO, Dr. GRPO (arXiv 2503.20783: "none", L_max)
+#   dynamic_sampling, overlong_penalty   DAPO;   entropy_coef   the entropy bonus (PPO's c2), added by the trainer
+#   clip_cov_*, kl_cov_ratio   Clip-Cov / KL-Cov (arXiv 2505.22617);   cispo_weight   CISPO;   sapo_tau_*   SAPO
+#   ratio_mode, entropy_criterion, kl_target, kl_mode, kl_tau   TEPO (arXiv 2510.09369), our reconstruction;
+#                         clip_choice: ours, an experiment's control for TEPO's band (docs/collapse.md)
 #   block_size, block_ratio, block_agg   MPO (arXiv 2602.14386), our reconstruction
 # TRAINER_FIELDS are read by train_small.py (advantages and data) for every objective, never by a loss.
 # MPO reads block_agg instead of aggregation/norm_constant (its unit is a block). Some fields act only together
@@ -1358,14 +1445,20 @@ FIELDS_READ: dict[str, tuple[str, ...]] = {
     "grpo": _CLIP + ("dual_clip_c",) + _KL_AND_AGGREGATION + TRAINER_FIELDS,
     "dapo": _CLIP + ("dual_clip_c",) + _KL_AND_AGGREGATION + TRAINER_FIELDS,
     "dr_grpo": _CLIP + ("dual_clip_c",) + _KL_AND_AGGREGATION + TRAINER_FIELDS,
+    "cispo": _CLIP + _KL_AND_AGGREGATION + ("cispo_weight",) + TRAINER_FIELDS,
     "clip_cov": _CLIP + _KL_AND_AGGREGATION + ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub") + TRAINER_FIELDS,
     "kl_cov": ("log_ratio_clamp",) + _KL_AND_AGGREGATION + ("kl_cov_ratio",) + TRAINER_FIELDS,
     "gspo": _CLIP + _KL_AND_AGGREGATION + TRAINER_FIELDS,
     "gspo_token": _CLIP + _KL_AND_AGGREGATION + TRAINER_FIELDS,
+    "gmpo": _CLIP + _KL_AND_AGGREGATION + TRAINER_FIELDS,
+    "sapo": ("log_ratio_clamp",) + _KL_AND_AGGREGATION + ("sapo_tau_pos", "sapo_tau_neg") + TRAINER_FIELDS,
     "tepo": _CLIP + _KL_AND_AGGREGATION + ("ratio_mode", "entropy_criterion", "kl_target", "kl_mode", "kl_tau",
                                            "clip_choice") + TRAINER_FIELDS,
     "mpo": _CLIP + ("beta", "kl_estimator", "block_size", "block_ratio", "block_agg") + TRAINER_FIELDS,
 }
+# Section 1's two options are read by every objective: `objective` applies them to any maths' loss (_options).
+OPTION_FIELDS = ("sampler_correction", "sampler_correction_cap", "top_entropy_share")
+FIELDS_READ = {name: read + OPTION_FIELDS for name, read in FIELDS_READ.items()}
 
 
 def needs_ref(name: str, cfg: ObjectiveConfig) -> bool:
@@ -1381,50 +1474,3 @@ def needs_entropy(name: str, cfg: ObjectiveConfig) -> bool:
     """Does this objective need the entropy now and at rollout time (TEPO's measured criterion)?"""
     return name == "tepo" and cfg.entropy_criterion == "measured"
 
-
-if __name__ == "__main__":
-    # A 20-second tour: every objective on one random batch, on-policy and after one update.
-    torch.manual_seed(0)
-    B, G, T = 8, 4, 6
-    rewards = torch.tensor([1., 0, 0, 1, 1, 1, 0, 1])
-    adv = group_advantages(rewards, G)
-    mask = torch.ones(B, T)
-    mask[0, 4:] = 0                   # row 0 is 4 tokens long, the others 6
-    old_logp = -torch.rand(B, T) * 2
-    ref_logp = old_logp + 0.05 * torch.randn(B, T)
-    print(f"rewards {rewards.tolist()}\nadvantages {[round(a, 3) for a in adv.tolist()]}\n")
-    print("Each objective with its paper defaults: loss and gradient norm |d loss / d logp| on-policy")
-    print("(logp = old_logp), then loss and fraction of clipped tokens after logp moved by 0.3 * noise.\n")
-    print(f"{'objective':<11} {'on-policy loss':>15} {'|grad|':>8} {'off-policy loss':>16} {'clip':>6}")
-    grad_norms = {}
-    for name, fn in OBJECTIVES.items():
-        cfg = PAPER_DEFAULTS[name]
-        row = []
-        for shift in (0.0, 0.3):
-            logp = (old_logp + shift * torch.randn(B, T)).requires_grad_(True)
-            loss, m = fn(logp, old_logp, adv, mask, cfg, ref_logp=ref_logp)
-            loss.backward()
-            row.append((loss.item(), logp.grad.norm().item(), m["clip_ratio/region_mean"]))
-        grad_norms[name] = row[0][1]
-        print(f"{name:<11} {row[0][0]:>15.4f} {row[0][1]:>8.4f} {row[1][0]:>16.4f} {row[1][2]:>6.2f}")
-    others = [v for k, v in grad_norms.items() if k != "mpo"]
-    print(f"""
-What to notice:
-  - On-policy every ratio is 1 and nothing is clipped: all objectives but MPO have nearly the same
-    gradient norm ({min(others):.2f}-{max(others):.2f}); they differ only in how tokens are weighed (aggregation),
-    and Clip-Cov in the token whose gradient it detaches.
-  - The on-policy loss value is ~0 where every sequence weighs the same (grpo, gspo, gspo_token,
-    mpo): the advantages are centred in each group. Token-mean and Dr. GRPO's token sum weigh the
-    short row 0 less, so their loss is not 0. The gradient is not 0 in either case.
-  - MPO's gradient norm is {grad_norms["mpo"]:.2f}: its joint block ratio is the product of K = 4 token
-    ratios, so each block passes the gradient to all its tokens at full weight, and the loss is
-    normalised by the J = ceil(|o| / K) blocks of a sequence, not its |o| tokens: each token weighs
-    |o| / J = 3-4 times what it weighs in GRPO.
-  - Off-policy the clipped fractions differ: GSPO's tiny band (3e-4, 4e-4) clips most sequences,
-    KL-Cov never clips, and Clip-Cov's band [0, 2] clips few tokens.""")
-    z = torch.randn(10, dtype=torch.float64)
-    A = torch.log_softmax(z, -1)      # advantage rises with log p: NPG must lower entropy
-    eta = 1e-3
-    print(f"\nNPG step, A = log p: predicted dH {first_order_entropy_change(z, eta * A).item():.3e}, "
-          f"exact {(softmax_entropy(natural_gradient_step(z, A, eta)) - softmax_entropy(z)).item():.3e}\n"
-          "(section 4: to first order a natural-gradient step changes entropy by -eta Cov(log p, A))")

@@ -49,7 +49,7 @@ TEPO (arXiv 2510.09369; our reconstruction, tepo.py section 5.3)
      per masked token and nowhere else.
  23. At equal lengths TEPO (empty mask) and GSPO have the same gradient for any ratios; otherwise
      TEPO weighs sequence i by |o_i| / mean |o| relative to GSPO.
-MPO (arXiv 2602.14386; our reconstruction, tepo.py section 3.4)
+MPO (arXiv 2602.14386; our reconstruction, tepo.py section 3.7)
  24. K = 1 is the token-level clipped surrogate: GRPO with seq-mean-block-mean, DAPO with
      token-weighted, in value and gradient, on- and off-policy.
  25. K >= the longest answer: geomean with seq-mean-block-mean is GSPO exactly; joint is the full
@@ -62,6 +62,19 @@ MPO (arXiv 2602.14386; our reconstruction, tepo.py section 3.4)
      GRPO's per-token weight); geomean gives GRPO's exactly when K divides every length.
  29. A block outside the band (in the direction of A) has zero gradient on all its tokens and the
      other blocks are unaffected.
+CISPO, GMPO, SAPO (arXiv 2506.13585, 2507.20673, 2511.20347; tepo.py sections 3.3, 3.5, 3.6), numbered
+after the options' 47-49
+ 50. CISPO equals verl 0.9.1's `cispo` loss (clip) and TRL 1.16's (cap) to 1e-6 in value and gradient on
+     random batches with padding, empty rows and a zero advantage.
+ 51. SAPO equals verl's `sapo` loss there, at the paper's temperatures and others.
+ 52. GMPO equals verl's `geo_mean` and TRL's GMPOTrainer loss there (both divide by every row: num_seqs = B).
+ 53. CISPO's gradient is -w A / N with w the clipped (or capped) weight: not 0 where PPO-clip's is; at
+     ratio 1 it is DAPO's exactly.
+ 54. SAPO's gradient is -A 4 r s (1 - s) / (B' |o_i|), s = sigmoid(tau (r - 1)), tau by the sign of A; at
+     ratio 1 it is -A / (B' |o_i|) for any tau and the loss is the mean of -2A/tau; the weight is > 0 for
+     every r and falls as tau grows at any r != 1.
+ 55. GMPO at ratio 1 has GRPO's gradient (seq-mean-token-mean); a token clipped in A's direction has zero
+     gradient and adds its bound to the exponent, and the other tokens of its row share one gradient.
 Entropy mathematics (tepo.py section 4; Cui et al. arXiv 2505.22617)
  30. For any logits z and direction u, d/dt H(softmax(z + t u)) at t = 0 is exactly
      -Cov_{a~p}(log p_a, u_a).
@@ -76,8 +89,8 @@ Clip-Cov, KL-Cov (Cui et al. arXiv 2505.22617)
      does, and draws the same tokens under the same seed.
  35. KL-Cov at ratio 1 is the unclipped policy gradient -A r; off-policy its top-k tokens by Cov
      (k = max(1, int(N ratio))) get beta sign(delta) more gradient.
- 36. At ratio 1 and equal lengths, GRPO, GSPO, GSPO-token, DAPO, TEPO (empty mask) and MPO (K = 1)
-     share the gradient direction, up to known constants.
+ 36. At ratio 1 and equal lengths, GRPO, GSPO, GSPO-token, DAPO, TEPO (empty mask), MPO (K = 1), CISPO,
+     GMPO and SAPO share the gradient direction, up to known constants.
 Pitfalls small RL projects have shipped, each ruled out by name
  37. Entropy is the full-vocabulary entropy -sum_v p_v log p_v, not the sampled token's -log p.
  38. At ratio 1 the clipped surrogate's gradient is A d log pi, with no factor 2.
@@ -97,6 +110,15 @@ The entropy bonus
  46. entropy_bonus is -coef x the aggregated full-vocabulary entropy; its gradient on the logits is
      -coef w p_v (log p_v + H) per position (w the aggregation weight), padding gets none, and
      coef = 0 gives exactly 0 with no gradient.
+Two options of every objective (the sampler's mismatch, Yao et al. 2025; forking tokens, arXiv 2506.01939)
+ 47. The sampler's weight is min(pi_old / pi_sampler, cap) (truncate) or pi_old / pi_sampler up to the cap and 0
+     past it (mask), with no lower bound (delta = -1 keeps 0.368 under cap 2), 1 at padding, without gradient; with
+     the sampler's log-probs equal to the old ones every objective is bit-identical to the one without it.
+ 48. The weight multiplies each token's policy-gradient loss before aggregation (gradient w_t g_t, a token weighed
+     0 still counted) and never the KL term; an MPO block takes the weight of its tokens as its ratio does.
+ 49. The forking-token mask keeps N - ceil((1 - share)(N - 1)) of N distinct valid entropies (10 at share 0.2 keep
+     2, 11 keep 3), never a padded token, and zeroes the policy gradient of the others (not the KL, not the count);
+     share 1, or equal entropies, leave loss and gradient bit-identical.
 Besides these: one-line ValueErrors naming the bad argument and the valid choices (a NaN or inf
 where mask is 1, a mask that is not 0/1, a shape mismatch: refused by every objective), fully masked
 rows giving finite zeros, an empty batch giving exactly 0 with zero gradients, bf16 inputs staying
@@ -119,6 +141,7 @@ Layout (sections with comment headers):
   5. GSPO / GSPO-token
   6. TEPO
   7. MPO
+ 7b. CISPO / GMPO / SAPO against the peers' formulas (properties 50-55)
   8. entropy: logits helpers and the entropy mathematics
   9. Clip-Cov / KL-Cov
  10. cross-method sanity
@@ -126,6 +149,7 @@ Layout (sections with comment headers):
  12. gradient accumulation (property 41)
  13. bad arguments (ValueError)
  14. configuration (property 45)
+ 15. the two options of every objective (properties 47-49, at the end of the file)
 """
 
 import dataclasses
@@ -175,8 +199,9 @@ def make_inputs(B=6, T=7, lengths=None, seed=0, noise=0.0):
     ref = logp + 0.3 * torch.randn(B, T, generator=g, dtype=F64)
     ent = torch.rand(B, T, generator=g, dtype=F64) * 3.0
     old_ent = torch.rand(B, T, generator=g, dtype=F64) * 3.0
+    sampler = old + 0.6 * torch.randn(B, T, generator=g, dtype=F64)   # the sampler's log-probs (drawn last)
     return SimpleNamespace(B=B, T=T, lengths=list(lengths), mask=mask, logp=logp,
-                           old=old, adv=adv, ref=ref, ent=ent, old_ent=old_ent)
+                           old=old, adv=adv, ref=ref, ent=ent, old_ent=old_ent, sampler=sampler)
 
 
 def cfg(name, **overrides):
@@ -202,6 +227,7 @@ def run_x(name, x, c, old=None, adv=None, **kw):
     kw.setdefault("ref_logp", x.ref)
     kw.setdefault("entropy", x.ent)
     kw.setdefault("old_entropy", x.old_ent)
+    kw.setdefault("sampler_logp", x.sampler)
     return run(name, x.logp, x.old if old is None else old,
                x.adv if adv is None else adv, x.mask, c, **kw)
 
@@ -296,6 +322,10 @@ SWEEP = [
     ("clip_cov", dict(eps_low=0.2, eps_high=0.2, clip_cov_ratio=0.2, clip_cov_lb=-100.0,
                       clip_cov_ub=100.0)),
     ("kl_cov", dict(kl_cov_ratio=0.2, beta=1.0)),
+    ("cispo", dict()),
+    ("cispo", dict(cispo_weight="cap", eps_high=1.1, beta=0.1)),
+    ("gmpo", dict()),
+    ("sapo", dict()),
 ]
 SWEEP_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" for n, o in SWEEP]
 
@@ -1126,6 +1156,168 @@ def test_mpo_block_is_clipped_as_a_unit_and_other_blocks_are_unaffected():
 
 
 # =============================================================================
+# 7b. CISPO, GMPO, SAPO against the peers' published formulas (properties 50-55)
+# =============================================================================
+# Each reference below is written here from verl 0.9.1's core_algos.py (compute_policy_loss_cispo / _sapo /
+# _geo_mean) or TRL 1.16 (GRPOTrainer's cispo branch, trl.experimental.gmpo), in their own shapes: per-token
+# advantages A_i * mask, masks multiplied in, their clamps and denominators. Neither package is imported.
+
+def peer_batch(seed, B=8, T=7):
+    """Random float64 inputs with padding, two empty rows, a zero advantage and log-ratios up to ~1 in size."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    lengths[2] = lengths[5] = 0
+    mask = lengths_mask(lengths, T)
+    old = -(torch.rand(B, T, generator=g, dtype=F64) * 2 + 0.05)
+    logp = old + 0.4 * torch.randn(B, T, generator=g, dtype=F64)
+    adv = torch.randn(B, generator=g, dtype=F64)
+    adv[3] = 0.0
+    return logp, old, adv, mask
+
+
+def loss_and_grad(fn, logp, *args):
+    lp = logp.detach().clone().requires_grad_(True)
+    loss = fn(lp, *args)
+    return loss.detach(), torch.autograd.grad(loss, lp)[0]
+
+
+def verl_cispo(logp, old, adv, mask, eps_low, eps_high):
+    ratio = torch.exp(torch.clamp(logp - old, -20.0, 20.0))
+    pg_losses = -torch.clamp(ratio, 1 - eps_low, 1 + eps_high).detach() * (adv[:, None] * mask) * logp
+    return (pg_losses * mask).sum() / mask.sum()                                 # agg_loss token-mean
+
+
+def trl_cispo(logp, old, adv, mask, eps_high):
+    per_token_loss = -torch.clamp(torch.exp(logp - old), max=eps_high).detach() * adv[:, None] * logp
+    return (per_token_loss * mask).sum() / mask.sum()                            # num_items_in_batch
+
+
+def verl_sapo(logp, old, adv, mask, tau_pos, tau_neg):
+    ratio = torch.exp(torch.clamp(logp - old, -20.0, 20.0))
+    advantages = adv[:, None] * mask
+    taus = torch.where(advantages > 0, torch.tensor(tau_pos, dtype=F64), torch.tensor(tau_neg, dtype=F64))
+    pg_losses = -torch.sigmoid(taus * (ratio - 1.0)) * (4.0 / taus) * advantages
+    seq_losses = (pg_losses * mask).sum(-1) / (mask.sum(-1) + 1e-8)
+    return seq_losses.sum() / logp.shape[0]                     # seq-mean-token-mean over the global batch size
+
+
+def verl_geo_mean(logp, old, adv, mask, eps_low, eps_high):
+    l, advantages = logp - old, adv[:, None] * mask
+    sgn = torch.sign(advantages)
+    m = sgn * torch.min(sgn * l, sgn * torch.clamp(l, -eps_low, eps_high))
+    ratio = torch.exp((m * mask).sum(-1) / (mask.sum(-1) + 1e-8))
+    advantage = (advantages * mask).sum(-1) / (mask.sum(-1) + 1e-8)
+    return torch.mean(-advantage * ratio)
+
+
+def trl_gmpo(logp, old, adv, mask, eps_low, eps_high):
+    l = logp - old
+    clamped = torch.clamp(l, min=-eps_low, max=eps_high)
+    m = torch.where(adv[:, None] > 0, torch.minimum(l, clamped), torch.maximum(l, clamped))
+    coef = torch.exp((m * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))
+    return (-coef * adv).mean()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("case", ["cispo-verl", "cispo-trl-cap", "sapo-verl", "sapo-taus", "gmpo-verl", "gmpo-trl"])
+def test_new_objectives_equal_the_peers_formulas_in_value_and_gradient(case, seed):
+    """Properties 50-52: on random float64 batches with padding, empty rows and a zero advantage, CISPO (verl's clip;
+    TRL's cap), SAPO (verl) and GMPO (verl, TRL) equal the peers' formulas to 1e-6 in loss and gradient. GMPO and
+    SAPO are given num_seqs = B, as the peers divide by every row (train_small.py passes it)."""
+    logp, old, adv, mask = peer_batch(seed)
+    name, ov, reference = {
+        "cispo-verl": ("cispo", dict(eps_low=0.2, eps_high=0.2), lambda lp: verl_cispo(lp, old, adv, mask, 0.2, 0.2)),
+        "cispo-trl-cap": ("cispo", dict(cispo_weight="cap", eps_high=1.1),
+                          lambda lp: trl_cispo(lp, old, adv, mask, 1.1)),
+        "sapo-verl": ("sapo", {}, lambda lp: verl_sapo(lp, old, adv, mask, 1.0, 1.05)),
+        "sapo-taus": ("sapo", dict(sapo_tau_pos=0.5, sapo_tau_neg=3.0),
+                      lambda lp: verl_sapo(lp, old, adv, mask, 0.5, 3.0)),
+        "gmpo-verl": ("gmpo", dict(eps_low=0.2, eps_high=0.2), lambda lp: verl_geo_mean(lp, old, adv, mask, 0.2, 0.2)),
+        # TRL's GMPO gives a row with no token the loss -A_i (R_i = e^0); TRL never makes one (a completion holds its
+        # end token), so its reference sees those rows with A = 0
+        "gmpo-trl": ("gmpo", {}, lambda lp: trl_gmpo(lp, old, adv * (mask.sum(-1) > 0), mask, 0.4, 0.4)),
+    }[case]
+    loss, grad, _ = run(name, logp, old, adv, mask, cfg(name, **ov), num_seqs=logp.shape[0])
+    ref_loss, ref_grad = loss_and_grad(reference, logp)
+    assert_close(loss, ref_loss, atol=1e-9, rtol=1e-6)
+    assert_close(grad, ref_grad, atol=1e-9, rtol=1e-6)
+    assert grad[mask == 0].abs().max() == 0 and grad.abs().max() > 1e-3
+
+
+def test_cispo_gradient_is_the_clipped_weight_times_the_policy_gradient_and_never_zero():
+    """Property 53: CISPO's gradient is -w A / N at each valid token, w = clip(r, 1 - eps_low, 1 + eps_high) (cap:
+    min(r, eps_high)), not zero where PPO-clip's is; at ratio 1 it equals PPO-clip's (DAPO's) exactly."""
+    logp, old, adv, mask = peer_batch(7)
+    A, N, r = adv[:, None].expand_as(logp), mask.sum(), torch.exp(logp - old)
+    for ov, w in ((dict(eps_low=0.2, eps_high=0.2), r.clamp(0.8, 1.2)), (dict(cispo_weight="cap", eps_high=1.1),
+                                                                          r.clamp(max=1.1))):
+        _, g, m = run("cispo", logp, old, adv, mask, cfg("cispo", **ov))
+        assert_close(g, -w * A * mask / N)
+        assert m["clip_ratio/region_mean"] > 0
+    _, g_ppo, _ = run("dapo", logp, old, adv, mask, cfg("dapo", eps_low=0.2, eps_high=0.2))
+    clipped = (g_ppo == 0) & (mask > 0) & (A != 0)
+    assert clipped.any() and (g[clipped] != 0).all()            # PPO-clip dropped them, CISPO keeps them
+    _, g_on, _ = run("cispo", logp, logp.clone(), adv, mask, cfg("cispo"))
+    _, g_dapo, _ = run("dapo", logp, logp.clone(), adv, mask, cfg("dapo"))
+    assert_close(g_on, g_dapo)
+    assert_close(g_on, -A * mask / N)
+
+
+def test_sapo_gate_gradient_closed_form_and_its_shape_in_r_and_tau():
+    """Property 54: SAPO's gradient is -A w(r) / (B' |o_i|), w = 4 r s (1 - s), s = sigmoid(tau (r - 1)), tau_pos
+    where A > 0 and tau_neg where A <= 0; at r = 1 it is -A / (B' |o_i|) for any tau and the loss is the mean of
+    -2 A / tau; w > 0 for every r > 0, and for fixed r != 1 it falls as tau grows."""
+    logp, old, adv, mask = peer_batch(8)
+    n_rows, lengths, A = (mask.sum(-1) > 0).sum(), mask.sum(-1, keepdim=True).clamp(min=1), adv[:, None]
+    for tau_pos, tau_neg in ((1.0, 1.05), (0.3, 4.0)):
+        c = cfg("sapo", sapo_tau_pos=tau_pos, sapo_tau_neg=tau_neg)
+        tau = torch.where(A > 0, torch.tensor(tau_pos, dtype=F64), torch.tensor(tau_neg, dtype=F64))
+        r = torch.exp(logp - old)
+        s = torch.sigmoid(tau * (r - 1))
+        _, g, m = run("sapo", logp, old, adv, mask, c)
+        assert_close(g, -A * 4 * r * s * (1 - s) * mask / (lengths * n_rows))
+        assert math.isclose(m["sapo/weight_mean"], float((4 * r * s * (1 - s) * mask).sum() / mask.sum()), rel_tol=1e-9)
+        assert m["clip_ratio/region_mean"] == 0
+        loss_on, g_on, m_on = run("sapo", logp, logp.clone(), adv, mask, c)
+        assert_close(g_on, -A * mask / (lengths * n_rows))
+        assert_close(loss_on, ((-2 * A / tau) * (mask.sum(-1, keepdim=True) > 0)).sum() / n_rows)
+        assert m_on["sapo/weight_mean"] == pytest.approx(1.0, abs=1e-15)
+
+    def weight(r, tau):   # d(-f(r) A)/d log pi at A = -1: the factor w(r), by autograd on one token
+        lp = torch.tensor([[math.log(r)]], dtype=F64, requires_grad=True)
+        loss, _ = tepo.sapo_loss(lp, torch.zeros(1, 1, dtype=F64), torch.tensor([-1.0], dtype=F64),
+                                 torch.ones(1, 1), cfg("sapo", sapo_tau_neg=tau))
+        return torch.autograd.grad(loss, lp)[0].item()
+    for r in (0.05, 0.5, 0.9, 1.2, 3.0, 6.0):        # tau (r - 1) <= 20: the sigmoid does not round to 1
+        ws = [weight(r, tau) for tau in (0.25, 1.0, 2.0, 4.0)]
+        assert all(w > 0 for w in ws) and all(a > b for a, b in zip(ws, ws[1:])), (r, ws)
+    assert [weight(1.0, tau) for tau in (0.25, 8.0)] == pytest.approx([1.0, 1.0], abs=1e-15)
+
+
+def test_gmpo_gradient_is_grpos_at_ratio_one_and_a_clipped_token_adds_its_bound_with_zero_gradient():
+    """Property 55: at every l = 0, GMPO's gradient is -A_i / (B |o_i|), GRPO's with seq-mean-token-mean; with A > 0,
+    eps_high = 0.2 and l_k = 0.5, token k has zero gradient and adds 0.2 to the exponent, and the other tokens of its
+    row share one gradient -A R / (B |o|); with A < 0 the same l_k is not clipped (the clip acts against A)."""
+    logp, _, adv, mask = peer_batch(9)
+    adv[3] = 0.7
+    _, g, _ = run("gmpo", logp, logp.clone(), adv, mask, cfg("gmpo"))
+    _, g_grpo, _ = run("grpo", logp, logp.clone(), adv, mask, cfg("grpo", beta=0.0))
+    assert_close(g, g_grpo)
+    assert_close(g, -adv[:, None] * mask / (mask.sum(-1, keepdim=True).clamp(min=1) * (mask.sum(-1) > 0).sum()))
+    old = torch.full((2, 4), -1.0, dtype=F64)
+    delta = torch.tensor([[0.5, 0.1, -0.3, 0.0]] * 2, dtype=F64)
+    adv2 = torch.tensor([2.0, -2.0], dtype=F64)
+    loss, g, m = run("gmpo", old + delta, old, adv2, torch.ones(2, 4), cfg("gmpo", eps_low=0.2, eps_high=0.2))
+    # row 0 (A > 0): 0.5 -> 0.2 clipped, -0.3 kept (below the band is not A's direction); row 1 (A < 0): -0.3 -> -0.2
+    R = torch.tensor([math.exp((0.2 + 0.1 - 0.3 + 0.0) / 4), math.exp((0.5 + 0.1 - 0.2 + 0.0) / 4)], dtype=F64)
+    assert_close(loss, (-adv2 * R).mean())
+    assert g[0, 0] == 0 and g[1, 2] == 0
+    assert m["clip_ratio/high_mean"] == pytest.approx(1 / 8) and m["clip_ratio/low_mean"] == pytest.approx(1 / 8)
+    assert_close(g[0, [1, 2, 3]], torch.full((3,), -2.0 * R[0] / (2 * 4), dtype=F64))
+    assert_close(g[1, [0, 1, 3]], torch.full((3,), 2.0 * R[1] / (2 * 4), dtype=F64))
+
+
+# =============================================================================
 # 8. Entropy: logits helpers (properties 37, 42) and mathematics (properties 30-33)
 # =============================================================================
 
@@ -1471,7 +1663,8 @@ def test_kl_cov_off_policy_penalises_top_k_covariance_tokens_with_beta_sign_delt
 
 def test_all_group_objectives_share_the_gradient_at_ratio_one_with_equal_lengths():
     """Property 36: ratio 1, equal lengths: GRPO, GSPO, GSPO-token, DAPO, TEPO (empty mask at
-    ratio 1), MPO (K=1) give the same gradient -A_i/(G L); Dr. GRPO's is that times (std_g + eps)."""
+    ratio 1), MPO (K=1), CISPO, GMPO and SAPO give the same gradient -A_i/(G L); Dr. GRPO's is that times
+    (std_g + eps)."""
     B, T, G = 8, 6, 4
     g = torch.Generator().manual_seed(44)
     rewards = torch.tensor([1, 0, 0, 1, 0, 1, 1, 1], dtype=F64) + 0.1 * torch.rand(B, generator=g, dtype=F64)
@@ -1485,7 +1678,8 @@ def test_all_group_objectives_share_the_gradient_at_ratio_one_with_equal_lengths
              ("gspo_token", cfg("gspo_token", aggregation="seq-mean-token-mean", **kw)),
              ("dapo", cfg("dapo", aggregation="token-mean", **kw)),
              ("tepo", tepo_cfg(beta=1.0, eps_low=3e-4, eps_high=4e-4)),
-             ("mpo", mpo_cfg(block_size=1))]
+             ("mpo", mpo_cfg(block_size=1)),
+             ("cispo", cfg("cispo")), ("gmpo", cfg("gmpo")), ("sapo", cfg("sapo"))]
     for name, c in cases:
         _, gr, _ = run(name, x.logp, x.logp.clone(), A, x.mask, c, ref_logp=x.ref)
         assert_close(gr, exp, msg=name)
@@ -1701,6 +1895,8 @@ def test_metrics_have_documented_keys_and_loss_metric_equals_loss(name, ov):
         keys += ["kl_mask/frac", "kl_mask/penalty"]
     if name in ("clip_cov", "kl_cov"):
         keys += ["cov/n_selected"]
+    if name == "sapo":
+        keys += ["sapo/weight_mean"]
     if tepo.needs_ref(name, c):
         keys += ["kl_ref"]
     missing = [k for k in keys if k not in m]
@@ -1712,10 +1908,10 @@ def test_metrics_have_documented_keys_and_loss_metric_equals_loss(name, ov):
 @pytest.mark.parametrize("name,ov", SWEEP, ids=SWEEP_IDS)
 def test_per_token_advantages_equal_to_per_sequence_ones_give_identical_results(name, ov):
     """advantages [B] and the same values broadcast to [B,T] (zero at padding) are equivalent;
-    sequence-level objectives (GSPO, MPO, TEPO-gmpo) refuse [B,T] with a ValueError instead."""
+    sequence-level objectives (GSPO, GMPO, MPO, TEPO-gmpo) refuse [B,T] with a ValueError instead."""
     x = make_inputs(B=4, T=6, seed=55, noise=0.2)
     c = cfg(name, **ov)
-    if name in ("gspo", "mpo") or ov.get("ratio_mode") == "gmpo":
+    if name in ("gspo", "gmpo", "mpo") or ov.get("ratio_mode") == "gmpo":
         raises_naming(lambda: run_x(name, x, c, adv=x.adv[:, None] * x.mask), r"advantages")
         return
     torch.manual_seed(0)
@@ -1768,6 +1964,9 @@ GA_CASES = [
     ("tepo", dict(beta=0.0, eps_low=0.05, eps_high=0.05)),
     ("mpo", dict(block_size=2, block_agg="seq-mean-block-mean")),
     ("mpo", dict(block_size=3, block_agg="token-weighted")),
+    ("cispo", dict(cispo_weight="cap", eps_high=1.1)),
+    ("gmpo", dict(eps_low=0.05, eps_high=0.05)),
+    ("sapo", dict(beta=0.1)),
 ]
 
 
@@ -1946,7 +2145,7 @@ def test_nonfinite_advantages_and_tensors_at_padding_are_accepted_and_change_not
     l1, g1, m1 = run_x(name, x, c, adv=seq_adv, old=torch.where(pad, float("inf"), x.old))
     assert l1.item() == l0.item() and torch.equal(g1, g0)
     all_finite_metrics(m1)
-    if name in ("gspo", "mpo") or ov.get("ratio_mode") == "gmpo":
+    if name in ("gspo", "gmpo", "mpo") or ov.get("ratio_mode") == "gmpo":
         return                                                              # per-sequence advantages only
     token_adv = torch.where(pad, float("-inf"), x.adv[:, None].expand(4, 6))
     torch.manual_seed(0)
@@ -2029,7 +2228,8 @@ def test_a_config_is_checked_when_made_and_not_on_every_call(monkeypatch):
 
 def test_paper_defaults_cover_every_objective_and_config_for_copies():
     assert set(tepo.PAPER_DEFAULTS) == set(tepo.OBJECTIVES) == {
-        "ppo", "grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "tepo", "mpo", "clip_cov", "kl_cov"}
+        "ppo", "grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "tepo", "mpo", "clip_cov", "kl_cov", "cispo", "gmpo",
+        "sapo"}
     c = tepo.config_for("dapo", eps_high=0.5)
     assert c.eps_high == 0.5
     assert tepo.PAPER_DEFAULTS["dapo"].eps_high == 0.28
@@ -2048,6 +2248,12 @@ def test_paper_defaults_match_the_papers():
         "seq-mean-token-sum-norm", "none", 0.0)
     assert (d["clip_cov"].clip_cov_ratio, d["clip_cov"].clip_cov_lb, d["clip_cov"].clip_cov_ub) == (2e-4, 1.0, 5.0)
     assert d["kl_cov"].kl_cov_ratio == 2e-3 and d["kl_cov"].beta == 1.0
+    # CISPO: no lower bound on the weight (paper), verl's example eps; GMPO: (e^-0.4, e^0.4); SAPO: tau 1 / 1.05
+    assert (d["cispo"].eps_low, d["cispo"].eps_high, d["cispo"].aggregation, d["cispo"].cispo_weight) == (
+        10.0, 0.2, "token-mean", "clip")
+    assert (d["gmpo"].eps_low, d["gmpo"].eps_high, d["gmpo"].aggregation, d["gmpo"].beta) == (
+        0.4, 0.4, "seq-mean-token-mean", 0.0)
+    assert (d["sapo"].sapo_tau_pos, d["sapo"].sapo_tau_neg, d["sapo"].aggregation) == (1.0, 1.05, "seq-mean-token-mean")
     t = d["tepo"]
     assert (t.eps_low, t.eps_high, t.aggregation, t.ratio_mode, t.entropy_criterion, t.kl_target, t.beta) == (
         3e-4, 4e-4, "token-mean", "gspo_token", "cov", "old", 1.0)
@@ -2087,9 +2293,12 @@ FIELD_VALUES = {
     "kl_tau": (0.05, 0.0), "block_size": (2, 3), "block_ratio": ("geomean", "joint"),
     "block_agg": ("block-mean", "token-weighted"), "clip_cov_ratio": (0.5, 0.05), "clip_cov_lb": (0.0, -100.0),
     "clip_cov_ub": (0.0, 100.0), "kl_cov_ratio": (0.5, 0.05), "entropy_coef": (0.01, 0.5),
+    "cispo_weight": ("cap", "clip"), "sapo_tau_pos": (2.0, 0.5), "sapo_tau_neg": (2.0, 0.5),
+    "sampler_correction": ("truncate", "mask"), "sampler_correction_cap": (1.2, 5.0), "top_entropy_share": (0.2, 0.5),
 }
 ACTIVE = dict(beta=0.5, kl_estimator="k3", aggregation="seq-mean-token-sum-norm", norm_constant=5.0, dual_clip_c=2.0,
-              clip_cov_ratio=0.2, clip_cov_lb=-100.0, clip_cov_ub=100.0, kl_cov_ratio=0.2)
+              clip_cov_ratio=0.2, clip_cov_lb=-100.0, clip_cov_ub=100.0, kl_cov_ratio=0.2,
+              sampler_correction="truncate")
 FIELD_CONTEXTS = [{}, ACTIVE, dict(ACTIVE, kl_mode="hard", kl_tau=0.05)]
 
 
@@ -2270,3 +2479,168 @@ def test_random_clip_drops_nothing_on_policy_and_draws_no_random_number_then():
 def test_random_clip_is_refused_with_the_log_space_ratio():
     with pytest.raises(ValueError, match="clip_choice"):
         cfg("tepo", ratio_mode="gmpo", clip_choice="random")
+
+
+# =====================================================================================================
+# 15. Two options of every objective: the sampler's mismatch corrected, the forking-token mask (47-49)
+# =====================================================================================================
+
+def hand_weight(old, sampler, mode, cap=2.0):
+    """The sampler's weight by hand: rho = pi_old / pi_sampler, truncated at the cap or 0 past it."""
+    rho = torch.exp(old - sampler)
+    return rho.clamp(max=cap) if mode == "truncate" else torch.where(rho <= cap, rho, torch.zeros_like(rho))
+
+
+def test_sampler_weight_by_hand_truncated_or_masked_without_lower_bound_or_gradient():
+    """Property 47: w = min(rho, 2) (truncate) and rho 1[rho <= 2] (mask), 1 at padding (even NaN), no gradient."""
+    delta = torch.tensor([[-1.0, 0.0, 0.5, 1.0, math.log(3.0), float("nan")]], dtype=F64, requires_grad=True)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0]])
+    e = math.exp
+    truncated = tepo.sampler_correction_weight(delta, mask, "truncate", 2.0)
+    masked = tepo.sampler_correction_weight(delta, mask, "mask", 2.0)
+    assert_close(truncated, torch.tensor([[e(-1), 1, e(0.5), 2, 2, 1]], dtype=F64))
+    assert_close(masked, torch.tensor([[e(-1), 1, e(0.5), 0, 0, 1]], dtype=F64))
+    assert round(truncated[0, 0].item(), 3) == 0.368             # no lower bound
+    assert not truncated.requires_grad and not masked.requires_grad
+    with pytest.raises(ValueError, match="sampler_correction"):
+        tepo.sampler_correction_weight(delta, mask, "none")
+
+
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+@pytest.mark.parametrize("name", sorted(tepo.OBJECTIVES))
+def test_every_objective_is_bit_identical_when_the_sampler_agrees_with_the_trainer(name, mode):
+    """Property 47: sampler_logp = old_logp makes every weight exactly 1: loss, gradient and every metric of the
+    objective without the option are the same bit for bit (off-policy, with a KL term)."""
+    x = make_inputs(B=8, T=7, seed=3, noise=0.4)
+    c = cfg(name, beta=0.1)
+    torch.manual_seed(0)               # Clip-Cov draws its tokens from the global RNG
+    loss0, grad0, m0 = run_x(name, x, c)
+    torch.manual_seed(0)
+    loss1, grad1, m1 = run_x(name, x, dataclasses.replace(c, sampler_correction=mode), sampler_logp=x.old.clone())
+    assert torch.equal(loss0, loss1) and torch.equal(grad0, grad1)
+    assert {k: v for k, v in m1.items() if k in m0} == m0
+    assert [m1[f"sampler_correction/{k}"] for k in ("weight_mean", "weight_min", "weight_max", "capped_frac")] == \
+        [1.0, 1.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+@pytest.mark.parametrize("name", ["ppo", "grpo", "dapo", "dr_grpo", "gspo_token", "tepo"])
+def test_the_weight_multiplies_each_tokens_policy_gradient_and_never_the_kl(name, mode):
+    """Property 48: off-policy, with a KL term, d loss / d logp_t = w_t g_t + the KL's gradient (unweighted), g_t the
+    policy gradient without the option; the KL part of the loss is unchanged; the metrics are the weights'."""
+    x = make_inputs(B=8, T=7, seed=5, noise=0.3)
+    valid = x.mask.bool()
+    w = torch.where(valid, hand_weight(x.old, x.sampler, mode), torch.zeros_like(x.old))
+    assert (w[valid] > 1).any() and (w[valid] < 1).any() and (torch.exp(x.old - x.sampler)[valid] > 2).any()
+    pg = run_x(name, x, cfg(name, beta=0.0))[1]
+    _, with_kl, plain = run_x(name, x, cfg(name, beta=0.5))
+    kl = with_kl - pg
+    _, grad, m = run_x(name, x, cfg(name, beta=0.5, sampler_correction=mode))
+    assert_close(grad, w * pg + kl, atol=1e-12)
+    assert m["kl_loss"] == plain["kl_loss"]
+    assert_close(m["sampler_correction/weight_mean"], w[valid].mean())
+    assert_close(m["sampler_correction/weight_min"], w[valid].min())
+    assert_close(m["sampler_correction/weight_max"], w[valid].max())
+    assert_close(m["sampler_correction/capped_frac"], (torch.exp(x.old - x.sampler)[valid] > 2).to(F64).mean())
+
+
+def test_a_token_weighed_zero_still_counts_in_the_token_mean():
+    """Property 48: DAPO at ratio 1 with the masked weight: d loss / d logp_t = -w_t A_i / N, N every valid token
+    (those past the cap included, as TRL and verl count them)."""
+    x = make_inputs(B=6, T=5, seed=2)
+    _, grad, _ = run("dapo", x.logp, x.logp, x.adv, x.mask, cfg("dapo", sampler_correction="mask"),
+                     sampler_logp=x.sampler)
+    w = hand_weight(x.logp, x.sampler, "mask")
+    assert (w[x.mask.bool()] == 0).any()
+    assert_close(grad, -x.adv[:, None] * w * x.mask / x.mask.sum(), atol=1e-14)
+
+
+@pytest.mark.parametrize("block_ratio", ["joint", "geomean"])
+def test_an_mpo_block_takes_the_weight_of_its_tokens_as_its_ratio_does(block_ratio):
+    """Property 48: MPO's loss is per block: a block of K = 2 tokens weighs min(exp(sum of its tokens' log pi_old -
+    log pi_sampler), cap) (joint; geomean: their mean), so each of its tokens' gradient is that times the plain one."""
+    x = make_inputs(B=4, T=6, lengths=[6, 5, 3, 6], seed=4)
+    plain = cfg("mpo", block_size=2, block_ratio=block_ratio)
+    _, g0, _ = run("mpo", x.logp, x.logp, x.adv, x.mask, plain)
+    _, g1, _ = run("mpo", x.logp, x.logp, x.adv, x.mask,
+                   dataclasses.replace(plain, sampler_correction="truncate", sampler_correction_cap=1.5),
+                   sampler_logp=x.sampler)
+    for i, t in valid_tokens(x.mask):
+        block = [u for u in (t - t % 2, t - t % 2 + 1) if u < x.T and x.mask[i, u] > 0]
+        d = sum(float(x.logp[i, u] - x.sampler[i, u]) for u in block)
+        w = min(math.exp(d / (len(block) if block_ratio == "geomean" else 1)), 1.5)
+        assert_close(g1[i, t], w * g0[i, t], atol=1e-14)
+
+
+@pytest.mark.parametrize("N, share", [(10, 0.2), (11, 0.2)] + [(N, s) for N in (1, 2, 5, 17, 40)
+                                                                  for s in (0.05, 0.5, 0.9)])
+def test_the_forking_token_mask_keeps_the_top_share_of_valid_tokens_by_entropy(N, share):
+    """Property 49: of N distinct valid entropies N - ceil((1 - share)(N - 1)) are kept (10 at 0.2: 2; 11: 3), the
+    highest; padded positions, holding the highest entropies, are neither kept nor in the quantile."""
+    H = torch.randperm(1000, generator=torch.Generator().manual_seed(N))[:N].to(F64) / 100     # distinct
+    entropy = torch.stack([H, torch.full_like(H, 1e6)], 1)                                     # [N, 2]: column 1 pads
+    keep = tepo.top_entropy_mask(entropy, torch.tensor([[1, 0]] * N), share)
+    kept = N - math.ceil((1 - share) * (N - 1))
+    assert {(10, 0.2): 2, (11, 0.2): 3}.get((N, share), kept) == kept
+    assert int(keep.sum()) == kept and not keep[:, 1].any()
+    assert sorted(H[keep[:, 0]].tolist()) == sorted(H.tolist())[N - kept:]
+
+
+def test_the_forking_token_mask_zeroes_the_policy_gradient_of_the_others_not_their_kl_nor_the_count():
+    """Property 49: DAPO with a KL term and share 0.25: the kept tokens (old entropy >= the hand-made linear quantile of
+    the valid ones) keep their policy gradient, the others lose it; the KL's gradient and the count stay whole."""
+    x = make_inputs(B=6, T=7, seed=7, noise=0.3)
+    valid = x.mask.bool()
+    values = sorted(x.old_ent[valid].tolist())
+    pos = 0.75 * (len(values) - 1)
+    q = values[int(pos)] + (pos - int(pos)) * (values[min(int(pos) + 1, len(values) - 1)] - values[int(pos)])
+    keep = valid & (x.old_ent >= q)
+    pg = run_x("dapo", x, cfg("dapo"))[1]
+    kl = run_x("dapo", x, cfg("dapo", beta=0.5))[1] - pg
+    _, grad, m = run_x("dapo", x, cfg("dapo", beta=0.5, top_entropy_share=0.25))
+    assert_close(grad, torch.where(keep, pg, torch.zeros_like(pg)) + kl, atol=1e-12)
+    assert_close(m["top_entropy/kept_frac"], keep.sum().to(F64) / valid.sum())
+
+
+@pytest.mark.parametrize("name", sorted(tepo.OBJECTIVES))
+def test_the_forking_token_mask_changes_nothing_when_it_keeps_every_token(name):
+    """Property 49: share 1 (off: no old entropy needed) and equal entropies (every valid token at the quantile, all
+    kept) leave loss, gradient and the shared metrics bit-identical."""
+    x = make_inputs(B=8, T=7, seed=6, noise=0.3)
+    c = cfg(name, beta=0.1)
+    torch.manual_seed(0)
+    loss0, grad0, m0 = run_x(name, x, c)
+    for share, old_entropy in ((1.0, None), (0.3, torch.full_like(x.old_ent, 0.7))):
+        torch.manual_seed(0)
+        c1 = dataclasses.replace(c, top_entropy_share=share)
+        kw = {} if name == "tepo" and old_entropy is None else dict(old_entropy=old_entropy)
+        loss1, grad1, m1 = run_x(name, x, c1, **kw)
+        assert torch.equal(loss0, loss1) and torch.equal(grad0, grad1), share
+        assert {k: v for k, v in m1.items() if k in m0} == m0
+        assert m1.get("top_entropy/kept_frac", 1.0) == 1.0
+
+
+def test_an_mpo_block_is_trained_when_one_of_its_tokens_is_a_forking_token():
+    """Property 49, MPO (K = 2, ratio 1): a token has a gradient exactly when a token of its block is kept."""
+    x = make_inputs(B=4, T=6, lengths=[6, 5, 3, 6], seed=8)
+    c = cfg("mpo", block_size=2, top_entropy_share=0.3)
+    _, grad, _ = run("mpo", x.logp, x.logp, x.adv, x.mask, c, old_entropy=x.old_ent)
+    keep = tepo.top_entropy_mask(x.old_ent, x.mask, 0.3)
+    for i, t in valid_tokens(x.mask):
+        assert (grad[i, t] != 0) == bool(keep[i, t - t % 2:t - t % 2 + 2].any()), (i, t)
+
+
+def test_the_options_refuse_missing_inputs_and_invalid_settings_in_one_line():
+    x = make_inputs(seed=1)
+    with pytest.raises(ValueError, match="^sampler_logp: sampler_correction='truncate'"):
+        run_x("grpo", x, cfg("grpo", sampler_correction="truncate"), sampler_logp=None)
+    with pytest.raises(ValueError, match="^old_entropy: top_entropy_share=0.2"):
+        run_x("gspo", x, cfg("gspo", top_entropy_share=0.2), old_entropy=None)
+    spoiled = x.sampler.clone()
+    spoiled[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="^sampler_logp: 1 non-finite"):
+        run_x("dapo", x, cfg("dapo", sampler_correction="mask"), sampler_logp=spoiled)
+    for field, value in (("sampler_correction", "clip"), ("sampler_correction_cap", 0.0),
+                         ("top_entropy_share", 0.0), ("top_entropy_share", 1.5), ("top_entropy_share", float("nan"))):
+        with pytest.raises(tepo.InvalidSetting, match=f"^{field}="):
+            cfg("grpo", **{field: value})

@@ -502,9 +502,14 @@ def micro_batch_loss(run: Run, batch: Rollout, old: OldPolicy, adv: torch.Tensor
     old_entropy = None
     if entropy is not None:
         old_entropy = entropy.detach().to(old.entropy.dtype) if on_policy else old.entropy[idx]    # [b, T]
+    elif cfg.top_entropy_share < 1:    # the forking-token mask reads the old policy's entropy (tepo.top_entropy_mask)
+        old_entropy = old.entropy[idx]
+    # --sampler-correction: the sampler's log-probs; the twin's old log-probs are the sampler's (old_policy): weight 1
+    sampler_logp = (None if cfg.sampler_correction == "none" else batch.sampling_logp[idx] if settings.recompute
+                    else old_logp)
     ref = old.ref_logp[idx] if old.ref_logp is not None else None
     loss, metrics = run.objective(logp, old_logp, adv[idx], mask, cfg, ref_logp=ref, entropy=entropy,
-                                  old_entropy=old_entropy, **counts)
+                                  old_entropy=old_entropy, sampler_logp=sampler_logp, **counts)
     loss = loss + tepo.entropy_bonus(logits, mask, cfg, settings.temperature, **counts)   # 0 unless --entropy-coef
     return loss, metrics, logp.detach(), entropy.detach() if entropy is not None else None
 
@@ -638,7 +643,7 @@ def start_run(args: Args, obj_overrides: dict, clock=PhaseClock) -> Run:
                          else torch.optim.Adam(trainable_parameters(model), lr=args.lr, betas=(0.9, 0.999))),
               train_set=task["train"], test_set=task["test"].select(range(min(args.n_test, len(task["test"])))),
               first_step=1, details_path=os.path.join(run_dir, "details.jsonl") if args.objective == "tepo" else None,
-              settings=step_settings(args, model.config), clock=clock,
+              settings=step_settings(args, model.config, cfg), clock=clock,
               trackers=Trackers(trackers_of(args.report_to), run_dir,
                                 {**dataclasses.asdict(args), **dataclasses.asdict(cfg)}))
     logs = [p for p in (os.path.join(run_dir, "metrics.jsonl"), run.details_path,

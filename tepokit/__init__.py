@@ -6,7 +6,8 @@ this list (a folder imports the ones below it, never one above), and nothing imp
                 (--compare: objectives x seeds, paired by seed), tepo_trl.py (--engine trl), plot.py
                 (python -m tepokit.tools.plot RUN_DIR: a run's figures, shared with the notebooks), merge_lora.py
                 (python -m tepokit.tools.merge_lora RUN_DIR/policy OUT: a LoRA run's adapters folded into its base),
-                collapse_numbers.py and band_numbers.py (docs/collapse.md's numbers from the committed logs)
+                collapse_numbers.py and band_numbers.py (docs/collapse.md's numbers from the committed logs),
+                tour.py (python -m tepokit.tools.tour: every objective of tepo.py on one batch)
   cli/          the command line: flags.py (one flag per field, --regime, --demo), validation.py (valid values),
                 helptext.py (what --help shows), resume.py (the rules of --resume)
   diagnostics/  every measurement, run after the RL step from its record: after_step.py (the step's measurements,

@@ -217,6 +217,8 @@ VALID: dict[str, tuple] = {
     "entropy_criterion": one_of(tepo.ENTROPY_CRITERIA), "kl_target": one_of(tepo.KL_TARGETS),
     "kl_mode": one_of(tepo.KL_MODES), "clip_choice": one_of(tepo.CLIP_CHOICES),
     "block_ratio": one_of(tepo.BLOCK_RATIOS), "block_agg": one_of(tepo.BLOCK_AGGREGATIONS),
+    "cispo_weight": one_of(tepo.CISPO_WEIGHTS),
+    "sampler_correction": one_of(tepo.SAMPLER_CORRECTIONS),
     "clip_cov_ratio": fraction(), "kl_cov_ratio": fraction(),
 }
 
@@ -365,6 +367,14 @@ def check_values(args, obj_overrides: dict, given: set[str] | None = None) -> No
     if args.engine == "trl" and obj_overrides.get("entropy_coef"):
         fail(f"argument --entropy-coef: invalid value {obj_overrides['entropy_coef']!r}; choose 0 with --engine trl "
              "(TRL's GRPOTrainer has no entropy bonus), or --engine tepo")
+    # the two options of every objective read what only train_small.py's own step passes: the sampler's log-probs
+    # (its fast sampler's; --no-fast's model.generate gives tokens only) and the old policy's entropy
+    for name, off in (("sampler_correction", "none"), ("top_entropy_share", 1.0)):
+        lacks = args.engine == "trl" or (name == "sampler_correction" and not args.fast)
+        if obj_overrides.get(name, off) != off and lacks:
+            fail(f"argument {flag(name)}: invalid value {obj_overrides[name]!r}; choose {off} with "
+                 + ("--engine trl, or --engine tepo" if args.engine == "trl" else "--no-fast, or drop --no-fast "
+                    "(the plain path's model.generate gives no log-probs)"))
     if not args.fast and args.sampler == "loop" and given is not None and "sampler" in given:   # not the default
         fail("argument --sampler: invalid value 'loop'; choose generate with --no-fast (the plain path samples with "
              "model.generate), or drop --no-fast")

@@ -36,12 +36,15 @@ def recompute_old_logprobs(fast: bool, asked: bool | None, precision: str, loop:
     return precision == "bf16" or not loop
 
 
-def sampler_logprobs_wanted(fast: bool, recompute: bool, check_sampling_logprobs: bool, stacked_bytes: int) -> bool:
-    """Must the sampler give log-probs and entropies? When they are the old ones (not recompute), or for the
-    sampling check (--check-sampling-logprobs: sampled against recomputed) when they are cheap: when the logits
-    it stacks for them (stacked_bytes, stacked_logits_bytes) are within STACKED_LOGITS_MAX_BYTES; never with
-    --no-fast (the plain path's model.generate gives tokens only)."""
-    return fast and (not recompute or (check_sampling_logprobs and stacked_bytes <= STACKED_LOGITS_MAX_BYTES))
+def sampler_logprobs_wanted(fast: bool, recompute: bool, check_sampling_logprobs: bool, stacked_bytes: int,
+                            corrected: bool = False) -> bool:
+    """Must the sampler give log-probs and entropies? When they are the old ones (not recompute); with
+    --sampler-correction (corrected: each token weighs pi_old / pi_sampler, tepo.sampler_correction_weight), whatever
+    they cost; or for the sampling check (--check-sampling-logprobs: sampled against recomputed) when they are cheap:
+    when the logits it stacks for them (stacked_bytes, stacked_logits_bytes) are within STACKED_LOGITS_MAX_BYTES;
+    never with --no-fast (the plain path's model.generate gives tokens only: the correction is refused there)."""
+    return fast and (not recompute or corrected
+                     or (check_sampling_logprobs and stacked_bytes <= STACKED_LOGITS_MAX_BYTES))
 
 
 def rows_per_minibatch(prompts_per_step: int, mini_batches: int, group_size: int) -> int:
@@ -68,8 +71,9 @@ class StepSettings:
     sampler_logprobs: bool        # the sampler gives log-probs and entropies (the old ones, or for the check)
 
 
-def step_settings(args, config) -> StepSettings:
-    """The run's StepSettings from its Args and its model's config (its type and vocabulary size)."""
+def step_settings(args, config, cfg=None) -> StepSettings:
+    """The run's StepSettings from its Args, its model's config (its type and vocabulary size) and its objective's
+    configuration (cfg, a tepo.ObjectiveConfig: does --sampler-correction need the sampler's log-probs?)."""
     loop = uses_loop(config, args.fast, args.sampler)                  # the fast GPT-2 sampler, not generate
     rollout_rows = args.prompts_per_step * args.group_size
     recompute = recompute_old_logprobs(args.fast, args.recompute_old_logprobs, args.precision, loop)
@@ -80,4 +84,5 @@ def step_settings(args, config) -> StepSettings:
         rows_per_forward=rows_per_forward(args.micro_batch_size, args.prompts_per_step, args.mini_batches,
                                           args.group_size),
         recompute=recompute,
-        sampler_logprobs=sampler_logprobs_wanted(args.fast, recompute, args.check_sampling_logprobs, stacked))
+        sampler_logprobs=sampler_logprobs_wanted(args.fast, recompute, args.check_sampling_logprobs, stacked,
+                                                 corrected=getattr(cfg, "sampler_correction", "none") != "none"))

@@ -18,6 +18,8 @@ old log-probs of each optimizer step), so it is the band the update used, and it
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 import tepo
@@ -38,7 +40,10 @@ def clipped_rows(objective_name: str, cfg: tepo.ObjectiveConfig, logp: torch.Ten
     else:
         log_ratio = tepo.token_log_ratio(logp, old_logp, mask)                                        # [b, T]
     ratio = torch.exp(log_ratio.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp))
-    _, low, high = tepo.clipped_surrogate(ratio, adv.unsqueeze(-1).expand_as(logp), cfg.eps_low, cfg.eps_high)
+    eps_low, eps_high = cfg.eps_low, cfg.eps_high
+    if objective_name == "gmpo" or (objective_name == "tepo" and cfg.ratio_mode == "gmpo"):   # a log-space band
+        eps_low, eps_high = -math.expm1(-eps_low), math.expm1(eps_high)
+    _, low, high = tepo.clipped_surrogate(ratio, adv.unsqueeze(-1).expand_as(logp), eps_low, eps_high)
     return ((low | high) & valid).any(-1)
 
 
@@ -47,8 +52,8 @@ def band_clips(objective_name: str, cfg: tepo.ObjectiveConfig, loss_saw: list, o
     """The band/ counts of one RL step (module docstring). loss_saw: per optimizer step, per micro-batch, the loss's
     (rows [b], log pi [b, T], entropy); old_logp [B, T] the old policy as the loss saw it; adv [B]; mask [B, T];
     strategies [B]: each completion's strategy (None: no operator); items [B]: the type each row's item points to,
-    or None without a cue. {} for an objective without a clip."""
-    if objective_name not in CLIPPING:
+    or None without a cue. {} for an objective without a clip, and for CISPO, whose clip takes no token out."""
+    if objective_name not in CLIPPING or objective_name == "cispo":
         return {}
     item_names = ("add", "mul") if items is not None else ("any",)
     counts = {f"band/{item}_item/{strategy}/{sign}/{what}": 0.0 for item in item_names for strategy in STRATEGIES

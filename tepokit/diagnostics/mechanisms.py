@@ -44,10 +44,12 @@ from tepokit.core.forward import completion_logits, token_entropy, token_logprob
 
 OFF = float("inf")      # a clip range no ratio leaves
 
-# The objectives that clip their ratio at 1 - eps_low and 1 + eps_high, and those whose beta weighs a KL
-# term to the reference model (KL-Cov's beta weighs its own penalty, TEPO's its mask: see MECHANISMS).
-CLIPPING = ("ppo", "grpo", "dapo", "dr_grpo", "clip_cov", "gspo", "gspo_token", "tepo", "mpo")
-REFERENCE_KL = ("ppo", "grpo", "dapo", "dr_grpo", "clip_cov", "gspo", "gspo_token", "mpo")
+# The objectives that clip their ratio at 1 - eps_low and 1 + eps_high (GMPO in log space, at -eps_low and eps_high;
+# CISPO clips a weight, not the update), and those whose beta weighs a KL term to the reference model (KL-Cov's beta
+# weighs its own penalty, TEPO's its mask: see `mechanisms`). SAPO's smooth gate has no setting that switches it off
+# (tau -> 0 is its limit, not a value): it has no mechanism here but its reference KL.
+CLIPPING = ("ppo", "grpo", "dapo", "dr_grpo", "cispo", "clip_cov", "gspo", "gspo_token", "gmpo", "tepo", "mpo")
+REFERENCE_KL = ("ppo", "grpo", "dapo", "dr_grpo", "cispo", "clip_cov", "gspo", "gspo_token", "gmpo", "sapo", "mpo")
 
 
 def effect_check_interval(effect_check_every: int | None, model: str | None) -> int:
@@ -67,6 +69,7 @@ def mechanisms(objective: str, cfg: tepo.ObjectiveConfig) -> dict[str, tepo.Obje
       clip_low      the clip at 1 - eps_low (binds where A < 0)             off: eps_low = inf
       clip_high     the clip at 1 + eps_high (binds where A > 0); DAPO's clip-higher moves this bound, so it
                     can only change what clip_high does                      off: eps_high = inf
+                    (CISPO's bounds cap its weight whatever the sign of A, and TRL's cap is eps_high itself)
       dual_clip     PPO's cap of the loss at -A c where A < 0                off: dual_clip_c = None
       kl_ref        beta x KL to the reference model (GRPO's k3)             off: beta = 0
       clip_cov      Clip-Cov's detached high-covariance tokens               off: clip_cov_ratio = 0
@@ -146,8 +149,12 @@ def mechanism_gradients(model, batch, old, adv: torch.Tensor, micro_batches: lis
             logp = token_logprobs(logits, tokens, settings.temperature)               # [b, T]
         entropy = token_entropy(logits.detach(), settings.temperature) if tepo.needs_entropy(objective_name, cfg) \
             else None
+        # the two options of every objective read what the loss read (train_small.micro_batch_loss)
+        sampler_logp = (None if cfg.sampler_correction == "none" else batch.sampling_logp[idx] if settings.recompute
+                        else old.logp[idx])
         inputs = dict(ref_logp=old.ref_logp[idx] if old.ref_logp is not None else None, entropy=entropy,
-                      old_entropy=old.entropy[idx] if entropy is not None else None, **mb_counts)
+                      old_entropy=old.entropy[idx] if entropy is not None or cfg.top_entropy_share < 1 else None,
+                      sampler_logp=sampler_logp, **mb_counts)
         per_token = {"on": token_gradients(objective, logp, old.logp[idx], adv[idx], mask, cfg, seed, **inputs)}
         for name, cfg_off in switches.items():
             per_token[name] = token_gradients(objective, logp, old.logp[idx], adv[idx], mask, cfg_off, seed,

@@ -31,6 +31,11 @@ def test_a_sequence_ratio_clips_whole_rows_that_left_the_band_the_way_their_adva
     far = old.clone()
     far[0, 2] += math.log(1.3)
     assert clipped_rows("grpo", grpo, far, old, adv, mask).tolist() == [True, False, False, False, False]
+    # GMPO's band is in log space, (-0.4, 0.4) for the log-ratio: log 1.3 = 0.26 is inside it, 0.45 is not
+    gmpo = tepo.config_for("gmpo")
+    assert clipped_rows("gmpo", gmpo, far, old, adv, mask).tolist() == [False] * 5
+    far[0, 2] = old[0, 2] + 0.45
+    assert clipped_rows("gmpo", gmpo, far, old, adv, mask).tolist() == [True, False, False, False, False]
 
 
 def test_band_counts_rows_by_item_strategy_and_sign_after_the_first_optimizer_step():
@@ -54,3 +59,4 @@ def test_band_counts_rows_by_item_strategy_and_sign_after_the_first_optimizer_st
     no_cue = band_clips("tepo", cfg, loss_saw, old, adv, mask, strategies, None)
     assert no_cue["band/any_item/mul/pos/clipped"] == 1.0 and len(no_cue) == 3 * 2 * 2
     assert band_clips("kl_cov", tepo.config_for("kl_cov"), loss_saw, old, adv, mask, strategies, items) == {}
+    assert band_clips("cispo", tepo.config_for("cispo"), loss_saw, old, adv, mask, strategies, items) == {}  # none out

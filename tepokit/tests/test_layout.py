@@ -69,8 +69,8 @@ def test_no_module_is_part_of_an_import_circle_and_nothing_imports_train_small()
 
 
 def test_modules_stay_short():
-    """Every module at most 500 lines, tepo.py at most 1,450, train_small.py at most 700 (no line over 120)."""
-    limits = {"tepo.py": 1450, "train_small.py": 700}
+    """Every module at most 500 lines, tepo.py at most 1,500, train_small.py at most 700 (no line over 120)."""
+    limits = {"tepo.py": 1500, "train_small.py": 700}
     for module, path in project_modules().items():
         lines = open(os.path.join(REPO, path)).read().split("\n")
         assert len(lines) - 1 <= limits.get(path, 500), (path, len(lines) - 1)

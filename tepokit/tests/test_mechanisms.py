@@ -56,7 +56,9 @@ ACTING = [("grpo", "clip_low", {}), ("grpo", "clip_high", {}), ("grpo", "kl_ref"
           ("clip_cov", "clip_cov", dict(clip_cov_ratio=0.2, clip_cov_lb=0.0, clip_cov_ub=50.0)),
           ("kl_cov", "kl_cov", dict(kl_cov_ratio=0.2)), ("tepo", "kl_mask", {}),
           # hard: a band wide enough that the clip leaves the dropped tokens a gradient to drop
-          ("tepo", "kl_mask", dict(kl_mode="hard", kl_tau=0.01, eps_low=0.5, eps_high=0.5)), ("mpo", "clip_low", {})]
+          ("tepo", "kl_mask", dict(kl_mode="hard", kl_tau=0.01, eps_low=0.5, eps_high=0.5)), ("mpo", "clip_low", {}),
+          # CISPO's cap changes the weight, not whether a token has a gradient; GMPO's clip is in log space
+          ("cispo", "clip_high", {}), ("gmpo", "clip_high", dict(eps_high=0.1))]
 # the same mechanisms, switched off by the settings alone
 SWITCHED_OFF = {"clip_low": dict(eps_low=OFF), "clip_high": dict(eps_high=OFF), "kl_ref": dict(beta=0.0),
                 "dual_clip": dict(dual_clip_c=None), "clip_cov": dict(clip_cov_ratio=0.0),
@@ -80,7 +82,7 @@ def test_each_mechanism_changes_the_update_where_it_acts_and_nothing_where_it_is
         assert effects["effect/tokens"] == batch.completion_mask[torch.cat(plan[-1])].sum().item()   # the last
 
 
-@pytest.mark.parametrize("objective", ["grpo", "dapo", "gspo", "kl_cov", "tepo", "mpo"])
+@pytest.mark.parametrize("objective", ["grpo", "dapo", "gspo", "kl_cov", "tepo", "mpo", "cispo", "gmpo"])
 def test_on_policy_no_ratio_mechanism_acts(objective):
     """At ratio 1 (the rollout's first mini-batch) the clip, KL-Cov's penalty and TEPO's mask (target old) change
     nothing: each is exactly 0. The reference KL is not a ratio mechanism and still acts (GRPO's beta)."""
@@ -158,6 +160,8 @@ def test_the_table_switches_off_one_setting_and_lists_every_objectives_mechanism
     assert set(mechanisms("tepo", tepo.config_for("tepo"))) == {"clip_low", "clip_high", "kl_mask"}
     assert set(mechanisms("kl_cov", tepo.config_for("kl_cov"))) == {"kl_cov"}
     assert set(mechanisms("clip_cov", tepo.config_for("clip_cov"))) == {"clip_low", "clip_high", "kl_ref", "clip_cov"}
+    assert set(mechanisms("cispo", tepo.config_for("cispo"))) == {"clip_low", "clip_high", "kl_ref"}
+    assert set(mechanisms("sapo", tepo.config_for("sapo"))) == {"kl_ref"}      # its gate has no off switch
 
 
 def test_a_run_logs_the_effects_on_its_checked_steps_and_trains_the_same_without_them(workdir):

@@ -31,7 +31,13 @@ TRL_PARITY = {   # case: (tepo objective, its config overrides, TRL's own loss s
     "grpo_beta0.04": ("grpo", {}, dict(loss_type="grpo")),
     "dr_grpo": ("dr_grpo", {}, dict(loss_type="dr_grpo")),
     "gspo": ("gspo", {}, dict(loss_type="grpo", importance_sampling_level="sequence")),
+    # CISPO as TRL has it, an absolute cap on the weight (tepo's default is verl's two-sided clip)
+    "cispo_cap": ("cispo", {"cispo_weight": "cap", "eps_high": 1.2}, dict(loss_type="cispo")),
+    "sapo": ("sapo", {}, dict(loss_type="sapo")),
+    # TRL's GMPO is trl.experimental.gmpo.GMPOTrainer, its own loss over GRPOTrainer's rollout (THEIR_LOSS)
+    "gmpo": ("gmpo", {}, dict(loss_type="grpo")),
 }
+THEIR_LOSS = {"gmpo": ("trl.experimental.gmpo", "GMPOTrainer")}   # otherwise trl's GRPOTrainer
 
 
 def reward_by_length(completions, **_):
@@ -105,24 +111,29 @@ def test_trl_parity_one_step(case, trl_model, tmp_path):
     if cfg.beta > 0:
         inputs["ref_per_token_logps"] = logp + 0.3 * torch.randn(logp.shape, generator=noise)
     micro_batches = split_tensor_dict(inputs, 2)
-    theirs = one_accumulated_step(trainer, GRPOTrainer._compute_loss, micro_batches)
+    module, trainer_class = THEIR_LOSS.get(case, ("trl", "GRPOTrainer"))
+    their_trainer = getattr(__import__(module, fromlist=[trainer_class]), trainer_class)
+    theirs = one_accumulated_step(trainer, their_trainer._compute_loss, micro_batches)
     ours = one_accumulated_step(trainer, type(trainer)._compute_loss, micro_batches)
     assert ours[0] == pytest.approx(theirs[0], abs=1e-5)
     for name, a, b in (("gradient", ours[1], theirs[1]), ("parameter", ours[2], theirs[2])):
         assert max((x - y).abs().max().item() for x, y in zip(a, b)) < 1e-5, name
     assert max(g.abs().max().item() for g in ours[1]) > 1e-3                 # a real update, not zero
     logged = trainer._metrics["train"]
-    assert 0 < logged["clip_ratio/region_mean"][-1] < 1                      # the clip acted on some tokens
+    if objective != "sapo":                                                  # SAPO's gate clips nothing
+        assert 0 < logged["clip_ratio/region_mean"][-1] < 1                  # the clip acted on some tokens
     if cfg.beta > 0:
         assert logged["kl"][-1] > 0                                          # tepo's kl_ref under TRL's name
 
 
-# The objectives TRL does not have run end to end through `train_small.py --engine trl`: two RL
+# The objectives TRL does not have, and CISPO, GMPO and SAPO with tepo's defaults (verl's CISPO clip; the
+# parity test above checks TRL's own forms), run end to end through `train_small.py --engine trl`: two RL
 # steps, two epochs per rollout (the second pass is off-policy, so masks and penalties can act),
 # finite losses, and each objective's own metric in metrics.jsonl next to TRL's.
 # tepo_measured needs the rollout entropy that TepoGRPOTrainer adds to TRL's batch (tepo raises without it).
 TRL_OWN_METRIC = {"tepo": "kl_mask/frac", "tepo_measured": "kl_mask/penalty", "mpo": "ratio/max",
-                  "clip_cov": "cov/n_selected", "kl_cov": "cov/n_selected"}
+                  "clip_cov": "cov/n_selected", "kl_cov": "cov/n_selected", "cispo": "clip_ratio/high_mean",
+                  "gmpo": "ratio/max", "sapo": "sapo/weight_mean"}
 
 
 @pytest.mark.parametrize("case", list(TRL_OWN_METRIC))

@@ -264,7 +264,8 @@ def float64_gpt2(vocab: int):
 @pytest.mark.parametrize("objective, overrides", [
     ("grpo", dict(beta=0.04)), ("dapo", {}), ("dr_grpo", {}), ("gspo", dict(eps_low=0.05, eps_high=0.05)),
     ("gspo_token", {}), ("ppo", dict(dual_clip_c=3.0)), ("mpo", {}),
-    ("tepo", dict(entropy_criterion="measured", eps_low=0.05, eps_high=0.05))])
+    ("tepo", dict(entropy_criterion="measured", eps_low=0.05, eps_high=0.05)), ("cispo", {}),
+    ("gmpo", dict(eps_low=0.05, eps_high=0.05)), ("sapo", {})])
 def test_micro_batches_accumulate_to_the_same_optimizer_steps(objective, overrides):
     """Two optimizer steps (mini-batches of 8 rows) with micro-batches of 2 rows equal the steps
     without micro-batches: parameters to 1e-6 (float64, plain SGD), losses and rollout statistics too.
@@ -574,3 +575,34 @@ def test_mask_truncated_is_the_gradient_of_the_batch_without_the_cut_rows(object
     masked = gradient(batch, adv, True)
     assert_close(masked, gradient(without, adv[kept], False), atol=1e-12, rtol=1e-9)
     assert (masked - gradient(batch, adv, False)).abs().max() > 1e-6          # off, the cut rows count
+
+
+def test_the_sampler_correction_weighs_a_bf16_run_and_is_exactly_one_on_the_fp32_twin(workdir):
+    """--sampler-correction truncate (tepo.sampler_correction_weight): in bf16 the old log-probs are recomputed and
+    the sampler's kept beside them, so the logged weights pi_old / pi_sampler differ from 1 by bf16's rounding, and
+    the loop trains (the effect check, too, reads what the loss read); --top-entropy-share reads the old policy's
+    entropy and logs the share it kept. In fp32 with the loop sampler (the fast twin) the old log-probs are the
+    sampler's: every weight is exactly 1. The sampler's log-probs are kept whatever they cost (step_settings);
+    --no-fast (model.generate gives none) and --engine trl are refused in one line."""
+    from tepokit.core.step_settings import sampler_logprobs_wanted
+    from tepokit.tests.helpers import assert_refused_in_one_line
+    run_main([*MICRO, "--objective", "grpo", "--steps", "2", "--precision", "bf16", "--sampler-correction", "truncate",
+              "--top-entropy-share", "0.5", "--effect-check-every", "1", "--out", "runs/corrected_bf16"])
+    rows = [r for r in read_rows("runs/corrected_bf16") if "sampler_correction/weight_mean" in r]
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+    assert all(r["logprobs/sampling_vs_recomputed_max_abs"] > 0 for r in rows)      # the gap the weight corrects
+    assert any(r["sampler_correction/weight_min"] != 1 or r["sampler_correction/weight_max"] != 1 for r in rows)
+    assert all(r["sampler_correction/weight_min"] <= r["sampler_correction/weight_mean"]
+               <= r["sampler_correction/weight_max"] <= 2 for r in rows)
+    assert all(0 <= r["sampler_correction/capped_frac"] <= 1 for r in rows)
+    assert all(0 < r["top_entropy/kept_frac"] < 1 and "effect/kl_ref/update_change" in r for r in rows)
+    run_main([*MICRO, "--objective", "grpo", "--steps", "2", "--sampler-correction", "truncate",
+              "--out", "runs/corrected_fp32"])
+    rows = [r for r in read_rows("runs/corrected_fp32") if "sampler_correction/weight_mean" in r]
+    assert len(rows) == 2 and all(r[f"sampler_correction/{k}"] == v for r in rows for k, v in
+                                  (("weight_min", 1), ("weight_mean", 1), ("weight_max", 1), ("capped_frac", 0)))
+    assert sampler_logprobs_wanted(True, True, False, 2**40, corrected=True)
+    assert not sampler_logprobs_wanted(True, True, False, 2**40)
+    assert not sampler_logprobs_wanted(False, True, True, 0, corrected=True)          # --no-fast: none to keep
+    assert_refused_in_one_line(["--no-fast", "--sampler-correction", "truncate"], "--sampler-correction", "--no-fast")
+    assert_refused_in_one_line(["--engine", "trl", "--top-entropy-share", "0.2"], "--top-entropy-share", "--engine")

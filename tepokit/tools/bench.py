@@ -331,7 +331,7 @@ def input_check_cost(args, obj_overrides: dict, repeats: int = 30) -> dict:
     mask = (torch.arange(T) < torch.randint(T // 5, T + 1, (rows, 1), generator=g)).float()   # [rows, T]
     advantages = torch.randn(rows, generator=g)                                # [rows]
     optional = dict(ref_logp=old_logp.clone(), entropy=torch.rand(rows, T, generator=g),
-                    old_entropy=torch.rand(rows, T, generator=g))             # each [rows, T]
+                    old_entropy=torch.rand(rows, T, generator=g), sampler_logp=old_logp.clone())  # each [rows, T]
     cfg = objective_config(args, obj_overrides)
     objective = tepo.OBJECTIVES[args.objective]
 

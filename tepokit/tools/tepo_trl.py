@@ -90,14 +90,16 @@ SUM_OVER_PROCESSES = ("cov/n_selected",)
 def grpo_config(objective: str, cfg: tepo.ObjectiveConfig, **trl_settings) -> GRPOConfig:
     """A GRPOConfig whose data-side settings agree with the objective's config.
 
-    Carried over: eps_low / eps_high -> epsilon / epsilon_high (informative: the loss reads cfg),
-    advantage_scale -> scale_rewards, and beta -> beta only when the objective needs a reference
-    model (tepo.needs_ref), because TRL loads one and computes its log-probs exactly when beta != 0.
+    Carried over: eps_low / eps_high -> epsilon / epsilon_high and sapo_tau_pos / _neg -> sapo_temperature_pos /
+    _neg (informative: the loss reads cfg), advantage_scale -> scale_rewards, and beta -> beta only when the
+    objective needs a reference model (tepo.needs_ref), because TRL loads one and computes its log-probs exactly
+    when beta != 0.
     Not carried over (TRL has no such switch): adv_eps (TRL's is 1e-4), dynamic_sampling (TRL keeps
     zero-std groups, with advantage 0), overlong_penalty (add it as a reward function, see `train`).
     use_bias_correction_kl is turned off: tepo's KL terms have no ratio weight.
     """
-    carried = dict(epsilon=cfg.eps_low, epsilon_high=cfg.eps_high, scale_rewards=cfg.advantage_scale,
+    carried = dict(epsilon=cfg.eps_low, epsilon_high=cfg.eps_high, sapo_temperature_pos=cfg.sapo_tau_pos,
+                   sapo_temperature_neg=cfg.sapo_tau_neg, scale_rewards=cfg.advantage_scale,
                    beta=cfg.beta if tepo.needs_ref(objective, cfg) else 0.0, use_bias_correction_kl=False)
     return GRPOConfig(**{**carried, **trl_settings})
 
