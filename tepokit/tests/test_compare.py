@@ -59,6 +59,8 @@ def test_compare_writes_a_table_and_a_rerun_reuses_finished_runs(workdir):
     assert json.load(open("runs/cmp/summary.json"))["paired"] == {}
     assert "No paired differences: the baseline 'grpo'" in open("runs/cmp/summary.md").read()
     assert os.path.getmtime("runs/cmp/grpo__2/metrics.jsonl") == stamp
+    run_main([*MICRO, "--compare", "grpo", "--seeds", "2", "--steps", "2", "--out", "runs/cmp"])   # read back
+    assert "No paired differences: nothing but the baseline was compared." in open("runs/cmp/summary.md").read()
 
 
 def test_compare_stopped_on_purpose_says_how_to_go_on_and_writes_no_summary(workdir, capsys):

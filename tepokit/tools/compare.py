@@ -214,9 +214,10 @@ def paired_differences(results: dict, args) -> dict:
 
 def paired_table(paired: dict, args, seeds: list[int]) -> list[str]:
     """The markdown lines of the paired block of summary.md."""
-    if not paired:
-        return [f"No paired differences: the baseline {args.baseline!r} (--baseline) is not among the compared "
-                f"objectives."]
+    if not paired:                  # the baseline was not compared, or nothing but the baseline was
+        what = ("nothing but the baseline was compared" if args.baseline in args.compare.split(",")
+                else f"the baseline {args.baseline!r} (--baseline) is not among the compared objectives")
+        return [f"No paired differences: {what}."]
     lines = [f"Paired by seed against {args.baseline} (objective minus {args.baseline} on the same seed), "
              f"mean and 95% interval (t over seeds: mean ± t(0.975, n-1) · std / sqrt(n)):", "",
              f"| objective − {args.baseline} | metric | per seed ({', '.join(map(str, seeds))}) | mean | "
