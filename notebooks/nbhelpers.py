@@ -180,7 +180,7 @@ COMPARISONS = {"standard": "standard_regime_2026-11-24", "collapse": "collapse_r
                "off_policy": "hidden_type_off_policy_2026-11-26", "cue": "hidden_type_cue_2026-11-26",
                "cue_400": "hidden_type_cue_400_2026-11-26", "band": "band_mechanism_2026-11-27",
                "band_sgd": "band_mechanism_sgd_2026-11-27", "grpo_lr3e-4": "grpo_lr3e-4_cue_400_2026-11-27",
-               "grpo_lr3e-5": "grpo_lr3e-5_cue_400_2026-11-27"}
+               "grpo_lr3e-5": "grpo_lr3e-5_cue_400_2026-11-27", "new_objectives": "new_objectives_2026-11-27"}
 
 
 def comparison_dir(name: str) -> Path:
