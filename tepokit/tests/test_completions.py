@@ -127,8 +127,9 @@ def test_the_no_signal_warning_fires_when_every_group_samples_one_answer(workdir
 
 def test_the_default_run_says_nothing(workdir, capsys):
     """The default settings (the committed start model, 16 prompts x 8 samples, --max-new-tokens 24) for STREAK
-    steps, long enough for a warning: none fires, none is printed; completions at step 1 and the last step's."""
-    run_main(["--steps", str(STREAK), "--log-completions-every", str(STREAK), "--pass-k-problems", "4",
+    steps, long enough for a warning: none fires, none is printed; completions at step 1 and the last step's. The
+    run stops after them as if interrupted (--stop-after): only the start model is evaluated."""
+    run_main(["--stop-after", str(STREAK), "--log-completions-every", str(STREAK), "--pass-k-problems", "4",
               "--eval-every", "100", "--threads", "1", "--out", "runs/default"])
     assert warnings_of(read_rows("runs/default")) == {}
     assert "warning" not in capsys.readouterr().out

@@ -189,8 +189,8 @@ CONFIGS = {
                                           "--no-check-sampling-logprobs"], "generation"),
     # LoRA (rank 8 on the 7 projections): the frozen fp32 base without gradients or Adam moments, the adapters with
     # both; no reference model (the policy with its adapters off); the update's activations as before
-    "LoRA, fp32": ("qwen_wide_mlp", ["--micro-batch-size", "4", "--max-prompt-tokens", "24", "--max-new-tokens", "24",
-                                     "--no-check-sampling-logprobs", "--lora-rank", "8"], "update"),
+    "LoRA, fp32": ("qwen", ["--micro-batch-size", "4", "--max-prompt-tokens", "24", "--max-new-tokens", "12",
+                            "--no-check-sampling-logprobs", "--lora-rank", "8"], "update"),
     # LoRA under bf16 autocast over a fp32 base: without gradients each frozen weight is cast at its use and let go;
     # in the update's forward its cast is kept for the backward
     "LoRA, bf16 autocast": ("qwen", ["--micro-batch-size", "8", "--precision", "bf16", "--max-prompt-tokens", "24",
