@@ -16,6 +16,8 @@ from decimal import Decimal, InvalidOperation
 
 import torch
 
+from tepokit.plumbing.errors import fail
+
 # The system prompt of a chat-template prompt (--system-prompt replaces it): it asks for the format the `strict` and
 # `format` rewards read, which an instruct model does not write unless told (its rewards would all be 0).
 DEFAULT_SYSTEM_PROMPT = ("Solve the math problem step by step. Then write the final answer on the last line as "
@@ -29,16 +31,15 @@ def format_prompt(question: str) -> str:
 
 def uses_chat_template(tokenizer, chat_template: str) -> bool:
     """--chat-template: on or auto with a tokenizer that has a template (on without one is refused when the
-    tokenizer is loaded: chat_template_problem); off, or auto without one, is the bare question."""
+    tokenizer is loaded: check_chat_template); off, or auto without one, is the bare question."""
     return chat_template != "off" and getattr(tokenizer, "chat_template", None) is not None
 
 
-def chat_template_problem(tokenizer, chat_template: str, where: str) -> str | None:
-    """What is wrong with --chat-template for this tokenizer, or None."""
+def check_chat_template(tokenizer, chat_template: str, where: str) -> None:
+    """--chat-template on with a tokenizer that has no template: refused in one line (exit 2)."""
     if chat_template == "on" and getattr(tokenizer, "chat_template", None) is None:
-        return (f"argument --chat-template: 'on', but the tokenizer of {where} has no chat template; "
-                "use --chat-template auto or off (the bare question), or a model whose tokenizer has one")
-    return None
+        fail(f"argument --chat-template: 'on', but the tokenizer of {where} has no chat template; "
+             "use --chat-template auto or off (the bare question), or a model whose tokenizer has one")
 
 
 def chat_messages(question: str, system_prompt: str | None) -> list[dict]:

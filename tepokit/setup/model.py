@@ -18,7 +18,7 @@ from tepokit.plumbing.errors import fail, first_line, warn
 from tepokit.plumbing.hub import cannot_load, use_offline_hub_if_unreachable, without_transformers_bars
 from tepokit.plumbing.rundir import fingerprint, lock_file, save_pretrained_atomically
 from tepokit.setup.task import task_fingerprint, task_key, task_seed
-from tepokit.core.reward import chat_template_problem, end_of_turn_id, format_prompt, uses_chat_template
+from tepokit.core.reward import check_chat_template, end_of_turn_id, format_prompt, uses_chat_template
 
 END = "<|endoftext|>"   # end of sequence AND padding, as in GPT-2: the end token must still be trained
 
@@ -341,9 +341,7 @@ def load_policy(path: str, args, device):
     problem = tokenizer_problem(tokenizer)
     if problem:
         fail(f"argument --model: the tokenizer of {path} {problem}; give a model directory with a whole tokenizer")
-    problem = chat_template_problem(tokenizer, args.chat_template, path)
-    if problem:
-        fail(problem)
+    check_chat_template(tokenizer, args.chat_template, path)
     bad = non_finite_weights(model)    # a run from them could only diverge, and would checkpoint them at step 0
     if bad:
         fail(f"argument --model: {path} holds NaN or infinite weights, in {len(bad)} of its tensors ({bad[0]} the "

@@ -10,7 +10,7 @@ import os
 import random
 
 
-from tepokit.core.reward import chat_template_problem, encode_prompts, format_prompt, gold_answer
+from tepokit.core.reward import check_chat_template, encode_prompts, format_prompt, gold_answer
 from tepokit.plumbing.errors import fail, first_line, warn
 from tepokit.plumbing.hub import cannot_load, use_offline_hub_if_unreachable
 
@@ -253,9 +253,7 @@ def prompt_lengths(questions: list[str], args) -> list[int]:
     except Exception as e:  # noqa: BLE001 -- any loading failure is a user-facing one-liner
         cannot_load("the tokenizer of model", args.model, e, offline_reason,
                     "give a local model directory, or run without --model for the built-in tiny model")
-    problem = chat_template_problem(tokenizer, args.chat_template, args.model)
-    if problem:
-        fail(problem)
+    check_chat_template(tokenizer, args.chat_template, args.model)
     return [len(ids) for ids in encode_prompts(tokenizer, questions, args).input_ids]
 
 

@@ -60,7 +60,7 @@ from tepokit.plumbing.rundir import (claim_run_dir, code_version, read_log, run_
                                      write_json)
 from tepokit.plumbing.signals import StopSignals, stopped_after
 from tepokit.setup.task import load_task, task_fingerprint
-from tepokit.core.reward import (chat_messages, chat_template_problem, gold_answer, prompt_texts, score_completions,
+from tepokit.core.reward import (chat_messages, check_chat_template, gold_answer, prompt_texts, score_completions,
                                  uses_chat_template, weighted_rewards)
 
 TRL_TESTED = "1.16"
@@ -246,9 +246,7 @@ def trl_prompts(questions: list[str], start_model: str, args) -> list:
     (system prompt and question), which TRL renders with the tokenizer's template; else the question's text."""
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(start_model, trust_remote_code=args.trust_remote_code)
-    problem = chat_template_problem(tokenizer, args.chat_template, start_model)
-    if problem:
-        fail(problem)
+    check_chat_template(tokenizer, args.chat_template, start_model)
     if uses_chat_template(tokenizer, args.chat_template):
         return [chat_messages(q, args.system_prompt) for q in questions]
     return prompt_texts(questions, tokenizer, args)
