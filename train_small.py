@@ -64,7 +64,7 @@ from tepokit.diagnostics.completions import CannotLearnWatch, completion_rows
 from tepokit.diagnostics.forking_tokens import eval_by_type
 from tepokit.diagnostics.stats import mean_pass_at_k
 from tepokit.diagnostics.summary import Progress, evaluation_line, write_summary
-from tepokit.core.sampling import sample
+from tepokit.core.sampling import decode_precision, decoding, sample
 from tepokit.core.step_settings import StepSettings, step_settings
 from tepokit.plumbing import rundir
 from tepokit.plumbing.errors import fail
@@ -110,6 +110,7 @@ class Args:
     n_head: int = 4                     # built-in model: attention heads
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
     precision: str = "fp32"             # bf16 runs the forward passes under autocast
+    decode_precision: str = "auto"      # a fp32 run's generation: fp32, tf32, bf16 (auto: tf32 on a GPU, else fp32)
     lora_rank: int = 0                  # LoRA adapters of this rank, the base frozen (peft; 0: train every weight)
     lora_alpha: float | None = None     # LoRA's scale is alpha / rank (unset: 2 x --lora-rank)
     lora_target_modules: str = "auto"   # comma-separated module names (auto: attention and MLP of GPT-2/Qwen2/Llama)
@@ -230,17 +231,18 @@ def generate_group(model, tokenizer, questions: list[str], group_size: int, args
     prompt_ids, prompt_mask = enc.input_ids.to(device), enc.attention_mask.to(device)          # [U, P]
     group_ids, group_mask = prompt_ids.repeat_interleave(group_size, 0), prompt_mask.repeat_interleave(group_size, 0)
     eos_ids = eos_ids_of(model)
-    if args.fast:    # the fast twin: each prompt read once per group, log-probs as it samples (core/sampling.py)
-        out = sample(model, prompt_ids, prompt_mask, group_size, args.max_new_tokens, args.temperature, args.precision,
-                     args.sampler, args.cuda_graphs, greedy, want_logprobs)
-    else:
-        sampling = (dict(do_sample=False) if greedy         # top-k and top-p off: a model's own config may set them
-                    else dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0))
-        with autocast(device, args.precision):
-            sequences = model.generate(input_ids=group_ids, attention_mask=group_mask, eos_token_id=eos_ids,
-                                       pad_token_id=model.generation_config.pad_token_id,
-                                       max_new_tokens=args.max_new_tokens, **sampling)     # [B, P+T]
-        out = {"completion_ids": sequences[:, group_ids.shape[1]:]}
+    with decoding(model, decode_precision(args.decode_precision, args.precision, device.type)):   # fp32, tf32, bf16
+        if args.fast:    # the fast twin: each prompt read once per group, log-probs as it samples (core/sampling.py)
+            out = sample(model, prompt_ids, prompt_mask, group_size, args.max_new_tokens, args.temperature,
+                         args.precision, args.sampler, args.cuda_graphs, greedy, want_logprobs)
+        else:
+            sampling = (dict(do_sample=False) if greedy     # top-k and top-p off: a model's own config may set them
+                        else dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0))
+            with autocast(device, args.precision):
+                sequences = model.generate(input_ids=group_ids, attention_mask=group_mask, eos_token_id=eos_ids,
+                                           pad_token_id=model.generation_config.pad_token_id,
+                                           max_new_tokens=args.max_new_tokens, **sampling)     # [B, P+T]
+            out = {"completion_ids": sequences[:, group_ids.shape[1]:]}
     completion_ids = out["completion_ids"]                                          # [B, T]
     mask = completion_mask(completion_ids, eos_ids)
     ends_with_eos = torch.isin(completion_ids[:, -1], torch.tensor(eos_ids, device=device))
@@ -643,7 +645,7 @@ def start_run(args: Args, obj_overrides: dict, clock=PhaseClock) -> Run:
                          else torch.optim.Adam(trainable_parameters(model), lr=args.lr, betas=(0.9, 0.999))),
               train_set=task["train"], test_set=task["test"].select(range(min(args.n_test, len(task["test"])))),
               first_step=1, details_path=os.path.join(run_dir, "details.jsonl") if args.objective == "tepo" else None,
-              settings=step_settings(args, model.config, cfg), clock=clock,
+              settings=step_settings(args, model.config, cfg, device.type), clock=clock,
               trackers=Trackers(trackers_of(args.report_to), run_dir,
                                 {**dataclasses.asdict(args), **dataclasses.asdict(cfg)}))
     logs = [p for p in (os.path.join(run_dir, "metrics.jsonl"), run.details_path,

@@ -149,6 +149,7 @@ VALID: dict[str, tuple] = {
     "n_embd": at_least(1),
     "n_head": at_least(1),
     "precision": one_of(["fp32", "bf16"]),
+    "decode_precision": one_of(["auto", "fp32", "tf32", "bf16"]),
     "lora_rank": at_least(0),
     "lora_alpha": positive(),
     "lora_target_modules": ("auto, all-linear, or a comma-separated list of distinct module names, e.g. "
@@ -262,6 +263,9 @@ RELATIONS = [
      "grpo has no paired block", lambda a: a.compare is None or a.baseline in a.compare.split(",")
      or a.baseline == type(a).baseline),
     # --no-fast is the plain path: the switches of single fast twins may not ask for one (train_small.Args)
+    ("decode_precision", "auto with --precision bf16 (its generation runs under its bf16 autocast) or with "
+     "--engine trl (TRL generates on its own)", lambda a: a.decode_precision == "auto"
+     or (a.precision == "fp32" and a.engine == "tepo")),
     ("cuda_graphs", "auto or off with --no-fast (the plain path samples with model.generate), or drop --no-fast",
      lambda a: a.fast or a.cuda_graphs != "on"),
     ("recompute_old_logprobs", "on (or leave it out) with --no-fast (the plain path's old log-probs come from a "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tepokit.core.sampling import uses_loop
+from tepokit.core.sampling import SAMPLER_LOGPROBS_ARE_OLD, decode_precision, uses_loop
 
 
 # generate's log-probs need the logits of every step stacked, [B, T, V] float32: never more than this.
@@ -23,17 +23,18 @@ def stacked_logits_bytes(rollout_rows: int, max_new_tokens: int, vocab_size: int
     return rollout_rows * max_new_tokens * vocab_size * 4
 
 
-def recompute_old_logprobs(fast: bool, asked: bool | None, precision: str, loop: bool) -> bool:
+def recompute_old_logprobs(fast: bool, asked: bool | None, precision: str, loop: bool, decode: str = "fp32") -> bool:
     """Are the old log-probs recomputed by a forward pass after the rollout (the plain path), rather than the
     sampler's (their fast twin)? Always with --no-fast; else as asked (--recompute-old-logprobs); unset: yes in bf16
     (the sampler's and the training forward's log-probs then differ by bf16's rounding, as much as an update
-    changes them) and with generate (its log-probs need the logits of every step, [B, T, V], which grow with the
-    rollout); no with the loop (loop: uses_loop) in fp32, whose log-probs cost nothing."""
+    changes them), when generation is not fp32 (decode, sampling.decode_precision: TF32's and bf16's log-probs are
+    not the trainer's fp32 ones) and with generate (its log-probs need the logits of every step, [B, T, V], which
+    grow with the rollout); no with the loop (loop: uses_loop) decoding in fp32, whose log-probs cost nothing."""
     if not fast:
         return True
     if asked is not None:
         return asked
-    return precision == "bf16" or not loop
+    return precision == "bf16" or decode not in SAMPLER_LOGPROBS_ARE_OLD or not loop
 
 
 def sampler_logprobs_wanted(fast: bool, recompute: bool, check_sampling_logprobs: bool, stacked_bytes: int,
@@ -65,22 +66,25 @@ class StepSettings:
     group_size: int               # G completions per prompt
     temperature: float            # the sampling temperature; every log-prob and entropy of the step is taken at it
     precision: str                # bf16: the forward passes run under autocast; fp32: none
+    decode: str                   # how generation computes: fp32, tf32, bf16 or autocast (sampling.decode_precision)
     prompt_once: bool             # completion_logits reads each prompt once per group (--fast, no checkpointing)
     rows_per_forward: int         # rows in one forward pass at most (--micro-batch-size, or a whole mini-batch)
     recompute: bool               # the old log-probs come from a forward pass, not from the sampler
     sampler_logprobs: bool        # the sampler gives log-probs and entropies (the old ones, or for the check)
 
 
-def step_settings(args, config, cfg=None) -> StepSettings:
-    """The run's StepSettings from its Args, its model's config (its type and vocabulary size) and its objective's
-    configuration (cfg, a tepo.ObjectiveConfig: does --sampler-correction need the sampler's log-probs?)."""
+def step_settings(args, config, cfg=None, device_type: str = "cpu") -> StepSettings:
+    """The run's StepSettings from its Args, its model's config (its type and vocabulary size), its objective's
+    configuration (cfg, a tepo.ObjectiveConfig: does --sampler-correction need the sampler's log-probs?) and its
+    device's type (--decode-precision auto)."""
     loop = uses_loop(config, args.fast, args.sampler)                  # the fast GPT-2 sampler, not generate
     rollout_rows = args.prompts_per_step * args.group_size
-    recompute = recompute_old_logprobs(args.fast, args.recompute_old_logprobs, args.precision, loop)
+    decode = decode_precision(args.decode_precision, args.precision, device_type)
+    recompute = recompute_old_logprobs(args.fast, args.recompute_old_logprobs, args.precision, loop, decode)
     stacked = stacked_logits_bytes(rollout_rows, args.max_new_tokens, config.vocab_size, loop)
     return StepSettings(
         objective=args.objective, group_size=args.group_size, temperature=args.temperature,
-        precision=args.precision, prompt_once=args.fast and not args.gradient_checkpointing,
+        precision=args.precision, decode=decode, prompt_once=args.fast and not args.gradient_checkpointing,
         rows_per_forward=rows_per_forward(args.micro_batch_size, args.prompts_per_step, args.mini_batches,
                                           args.group_size),
         recompute=recompute,

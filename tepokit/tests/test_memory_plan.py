@@ -3,10 +3,11 @@
 torch.cuda.max_memory_allocated counts the blocks of CUDA's caching allocator: each new tensor storage rounded
 up to 512 bytes, given back when the storage is freed, a view costing nothing. LiveBytes counts the same on
 the CPU, op by op, so the plan meets on the CPU what it meets on a GPU (resident memory would not: the
-allocator of the C library keeps freed blocks). Nine 2-step GRPO runs of micro models with real shapes'
+allocator of the C library keeps freed blocks). Eleven 2-step GRPO runs of micro models with real shapes'
 proportions (Qwen2's grouped-query attention, vocabularies of 8,192 to 32,768 tokens), five of them made to
-peak in five different phases, one generating over transformers' static KV cache (--cuda-graphs on), two with LoRA
-adapters (--lora-rank: a frozen base, in fp32 and under bf16 autocast); the second
+peak in five different phases, one generating over transformers' static KV cache (--cuda-graphs on) and one over
+it in bf16 (--decode-precision bf16), three with LoRA
+adapters (--lora-rank: a frozen base, in fp32, its prefill, and under bf16 autocast); the second
 step's generation runs with the gradients and Adam's moments of the first. Then GPT-2's sampling loop alone at an
 evaluation's shape, with and without its static KV cache: what it holds while it decodes.
 """
@@ -187,10 +188,19 @@ CONFIGS = {
     "static KV cache": ("qwen_wide_mlp", ["--micro-batch-size", "2", "--gradient-checkpointing", "--cuda-graphs", "on",
                                           "--max-prompt-tokens", "128", "--max-new-tokens", "8",
                                           "--no-check-sampling-logprobs"], "generation"),
+    # --decode-precision bf16: generation over bf16 copies of the weights, its static cache and activations in bf16
+    "bf16 decoding": ("qwen_wide_mlp", ["--micro-batch-size", "2", "--gradient-checkpointing", "--cuda-graphs", "on",
+                                        "--decode-precision", "bf16", "--max-prompt-tokens", "128",
+                                        "--max-new-tokens", "8", "--no-check-sampling-logprobs"], "generation"),
     # LoRA (rank 8 on the 7 projections): the frozen fp32 base without gradients or Adam moments, the adapters with
     # both; no reference model (the policy with its adapters off); the update's activations as before
     "LoRA, fp32": ("qwen", ["--micro-batch-size", "4", "--max-prompt-tokens", "24", "--max-new-tokens", "12",
                             "--no-check-sampling-logprobs", "--lora-rank", "8"], "update"),
+    # LoRA with checkpointing: the rollout's prefill, through peft's adapted layers (each adds its adapter's output and
+    # a scaled copy beside the base layer's)
+    "LoRA, prefill": ("qwen", ["--micro-batch-size", "2", "--gradient-checkpointing", "--max-prompt-tokens",
+                                        "128", "--max-new-tokens", "4", "--no-check-sampling-logprobs", "--lora-rank",
+                                        "8"], "generation"),
     # LoRA under bf16 autocast over a fp32 base: without gradients each frozen weight is cast at its use and let go;
     # in the update's forward its cast is kept for the backward
     "LoRA, bf16 autocast": ("qwen", ["--micro-batch-size", "8", "--precision", "bf16", "--max-prompt-tokens", "24",
@@ -205,7 +215,8 @@ CONFIGS = {
 @pytest.mark.parametrize("name", CONFIGS)
 def test_the_plan_holds_the_peak_of_each_phase_counted_as_cuda_counts_it(name, setup, monkeypatch):
     """The plan of each phase (the model's state plus the phase, and the 5% it keeps for what it does not list)
-    lies within -5% and +25% of the bytes measured in it, and it names the phase where the run peaks."""
+    lies within -5% and +25% of the bytes measured in it, it names the phase where the run peaks, and there it is
+    not below the measured peak. (LoRA's prefill without the adapters' outputs in the plan: 0.954.)"""
     d, models = setup
     model, flags, phase = CONFIGS[name]
     argv = ["--model", models[model], "--dataset", str(d / "data.jsonl"), "--objective", "grpo", "--steps", "2",
@@ -223,6 +234,7 @@ def test_the_plan_holds_the_peak_of_each_phase_counted_as_cuda_counts_it(name, s
     assert max(measured, key=measured.get) == plan["phase"] == phase, ratios
     assert plan["peak"] == pytest.approx(planned[phase])
     assert all(0.95 <= ratio <= 1.25 for ratio in ratios.values()), ratios
+    assert ratios[phase] >= 1.0, ratios                 # where the run peaks, an upper bound
 
 
 @pytest.mark.parametrize("cuda_graphs", ["off", "on"])

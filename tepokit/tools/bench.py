@@ -18,8 +18,10 @@ from tepokit.cli.flags import command_line, flag_and_value, objective_config
 from tepokit.plumbing.errors import fail, quiet
 from tepokit.core.step_settings import rows_per_forward, rows_per_minibatch
 from tepokit.core.clock import PhaseClock, wait_for_the_gpu
+from tepokit.core.sampling import decode_precision, decoding
 from tepokit.setup.model import pick_device, prepare_start_model
-from tepokit.plumbing.rundir import read_log, save_pretrained_atomically, write_json
+from tepokit.setup.shapes import save_random_model
+from tepokit.plumbing.rundir import read_log, write_json
 from tepokit.plumbing.signals import Stopped
 from tepokit.setup.task import load_task
 from tepokit.core.reward import format_prompt, gold_answer, parse_strict
@@ -58,7 +60,9 @@ def benchmark(args, obj_overrides: dict, train) -> None:
 def measure(args, obj_overrides: dict, train, out: str) -> None:
     """The bench's runs and its result, into `out` (benchmark says what they are)."""
     if args.bench_shape == "gpt2-small":
-        args = dataclasses.replace(args, model=save_gpt2_small(args, os.path.join(out, "gpt2_small")))
+        # GPT-2 small's shape, random weights (tepokit/setup/shapes.py): every row runs to --max-new-tokens
+        args = dataclasses.replace(args, model=save_random_model("gpt2-small", load_task(args), args.seed,
+                                                                 os.path.join(out, "gpt2_small")))
     same_work = {**obj_overrides, "dynamic_sampling": False}
     cfg = objective_config(args, same_work)
     reference = "; a reference model on both" if tepo.needs_ref(args.objective, cfg) else ""
@@ -70,25 +74,27 @@ def measure(args, obj_overrides: dict, train, out: str) -> None:
     print(f"input checks of {args.objective} (tepo._prepare) on a {checks['batch']} mini-batch: "
           f"{1e3 * checks['checks_s']:.3f} ms of the objective's {1e3 * checks['objective_s']:.3f} ms "
           f"(forward and backward, {100 * checks['checks_s'] / checks['objective_s']:.1f}%)")
+    decode = decode_precision(args.decode_precision, args.precision, pick_device(args).type)
     sides = {"ours": [], "ours_recomputed": [], "trl": []}
     for r in range(args.bench_repeats):
         sides["ours"].append(timed_steps(args, same_work, train, os.path.join(out, f"ours_{r + 1}")))
         sides["ours_recomputed"].append(timed_steps(dataclasses.replace(args, recompute_old_logprobs=True), same_work,
                                                     train, os.path.join(out, f"ours_recomputed_{r + 1}")))
-        sides["trl"].append(bench_trl(args, cfg, os.path.join(out, f"trl_{r + 1}")))
+        sides["trl"].append(bench_trl(args, cfg, os.path.join(out, f"trl_{r + 1}"), decode))
         print(f"  repeat {r + 1}/{args.bench_repeats}: ours {sides['ours'][-1]['step_time']:.3f} s, ours recomputing "
               f"the old log-probs {sides['ours_recomputed'][-1]['step_time']:.3f} s, TRL "
               f"{sides['trl'][-1]['step_time']:.3f} s per step", flush=True)
     result = {"setup": {"shape": args.bench_shape, "prompts": args.prompts_per_step, "group_size": args.group_size,
                         "max_new_tokens": args.max_new_tokens, "mini_batches": args.mini_batches,
                         "epochs": args.epochs, "micro_batch_size": args.micro_batch_size,
-                        "precision": args.precision, "threads": args.threads, "steps_timed": args.bench_steps,
+                        "precision": args.precision, "decode_precision": decode, "threads": args.threads,
+                        "steps_timed": args.bench_steps,
                         "repeats": args.bench_repeats, "trl_config": bench_trl_config(args, cfg, "trl")},
               "input_checks": checks, **sides,
               "ratio": ratio_summary([t["step_time"] for t in sides["trl"]], [o["step_time"] for o in sides["ours"]]),
               "ratio_recomputed": ratio_summary([t["step_time"] for t in sides["trl"]],
                                                 [o["step_time"] for o in sides["ours_recomputed"]])}
-    print_result(result)
+    print_result(result, decode)
     flops = counted_flops(args, same_work, train, os.path.join(out, "ours_flops"))
     device, dtype = pick_device(args), torch.bfloat16 if args.precision == "bf16" else torch.float32
     rate = matmul_rate(args.threads, dtype, device)
@@ -111,38 +117,20 @@ def ratio_summary(trl_seconds: list, our_seconds: list) -> dict:
     return {"per_repeat": ratios, "median": median(ratios), "min": min(ratios), "max": max(ratios)}
 
 
-def print_result(result: dict) -> None:
+def print_result(result: dict, decode: str) -> None:
     ratio, recomputed = result["ratio"], result["ratio_recomputed"]
     ours = median([o["step_time"] for o in result["ours"]])
     again = median([o["step_time"] for o in result["ours_recomputed"]])
     print(f"our step is {ratio['median']:.2f}x the speed of TRL's (median of {len(ratio['per_repeat'])} repeats; "
           f"range {ratio['min']:.2f}x to {ratio['max']:.2f}x)")
-    print(f"recomputing the old log-probs (--recompute-old-logprobs, the default in bf16) costs {again - ours:.3f} s "
-          f"a step ({100 * (again / ours - 1):+.0f}%): {recomputed['median']:.2f}x TRL's (range "
+    print(f"recomputing the old log-probs (--recompute-old-logprobs, the default in bf16 and TF32) costs "
+          f"{again - ours:.3f} s a step ({100 * (again / ours - 1):+.0f}%): {recomputed['median']:.2f}x TRL's (range "
           f"{recomputed['min']:.2f}x to {recomputed['max']:.2f}x), the passes TRL makes")
-    print("what still differs: ours takes the old log-probs from the sampler (TRL makes a forward pass for them, "
-          "as ours does when recomputing), reads each prompt once per group, samples with its own loop and runs "
-          "GPT-2's tanh gelu as one kernel; TRL samples with generate and computes its GRPO loss; both sides' "
-          "completion lengths follow their own samples")
-
-
-def save_gpt2_small(args, model_dir: str) -> str:
-    """GPT-2 small's shape with random weights (seeded; nothing downloaded): 12 layers, width 768, 12 heads,
-    GPT-2's 50,257-token vocabulary (the built-in task's characters, then tokens no text encodes to).
-    Its sampled completions are near-uniform over the vocabulary, so every row runs to --max-new-tokens
-    and both sides do the same amount of work."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-    from tepokit.setup.model import END, builtin_tokenizer
-    tokenizer = builtin_tokenizer(load_task(args), vocab_size=50257)
-    end = tokenizer.convert_tokens_to_ids(END)
-    config = GPT2Config(vocab_size=len(tokenizer), n_positions=1024, n_embd=768, n_layer=12, n_head=12,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=end, eos_token_id=end,
-                        pad_token_id=end)
-    torch.manual_seed(args.seed)
-    model = GPT2LMHeadModel(config)
-    model.generation_config.pad_token_id = end
-    save_pretrained_atomically(model, tokenizer, model_dir)
-    return model_dir
+    print("what still differs: ours takes the old log-probs from the sampler when GPT-2's loop decodes in fp32 (TRL "
+          "makes a forward pass for them, as ours does when recomputing or decoding in TF32 or bf16), reads each "
+          "prompt once per group, samples with its own loop and runs GPT-2's tanh gelu as one kernel; TRL samples "
+          "with generate and computes its GRPO loss; both sides' completion lengths follow their own samples. Both "
+          f"sides decode in {decode} (--decode-precision)")
 
 
 def bench_args(args, out: str):
@@ -280,9 +268,10 @@ def bench_trl_config(args, cfg: tepo.ObjectiveConfig, out: str) -> dict:
             "use_cpu": pick_device(args).type == "cpu", "disable_tqdm": True}
 
 
-def bench_trl(args, cfg: tepo.ObjectiveConfig, out: str) -> dict:
-    """TRL's GRPOTrainer on the bench's work (bench_trl_config), seconds per rollout over the timed ones.
-    Its console lines go to <out>.log."""
+def bench_trl(args, cfg: tepo.ObjectiveConfig, out: str, decode: str = "fp32") -> dict:
+    """TRL's GRPOTrainer on the bench's work (bench_trl_config), seconds per rollout over the timed ones, its
+    generation in our run's decoding precision (decode: tepokit/core/sampling.py, decoding). Its console lines go
+    to <out>.log."""
     import datasets
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -293,6 +282,11 @@ def bench_trl(args, cfg: tepo.ObjectiveConfig, out: str) -> dict:
 
     def reward_fn(prompts, completions, **kw):
         return [float(parse_strict(c) == golds.get(p)) for p, c in zip(prompts, completions)]
+
+    class DecodingGRPOTrainer(GRPOTrainer):
+        def _generate_single_turn(self, *args, **kwargs):          # TRL's generation, as ours decodes
+            with decoding(self.model, decode):
+                return super()._generate_single_turn(*args, **kwargs)
 
     class Clock(TrainerCallback):
         def __init__(self):
@@ -307,7 +301,7 @@ def bench_trl(args, cfg: tepo.ObjectiveConfig, out: str) -> dict:
     with quiet(out + ".log"), warnings.catch_warnings():
         ignore_trls_checkpointing_warning()
         config = GRPOConfig(**bench_trl_config(args, cfg, out))
-        trainer = GRPOTrainer(model=start_model, reward_funcs=reward_fn, args=config, train_dataset=prompts,
+        trainer = DecodingGRPOTrainer(model=start_model, reward_funcs=reward_fn, args=config, train_dataset=prompts,
                               callbacks=[clock])
         t0 = time.time()
         trainer.train()

@@ -113,7 +113,7 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
     base_bf16 = lora and args.lora_base_bf16             # the whole base in bf16 (needs --precision bf16)
     a = 2 if args.precision == "bf16" else 4             # bytes of a linear layer's output (bf16 under autocast)
     k = 4 + a if not base_bf16 else 2 * a                 # a key and a value: RoPE's fp32 cos/sin keep keys fp32
-    settings = step_settings(args, config)                # as the run resolves them
+    settings = step_settings(args, config, device_type=device_type)   # as the run resolves them
     b = settings.rows_per_forward                         # rows per forward and backward
     R = args.prompts_per_step * args.group_size          # rows of a rollout
     P, T = args.max_prompt_tokens, args.max_new_tokens
@@ -138,7 +138,9 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
     layer_weights = (N - V * H * (1 if m["tied"] else 2)) // L
     update_copies = {**copies, "frozen weights' bf16 casts, kept for the backward":
                      2 * (V * H + (layer_weights if ckpt else L * layer_weights)) if casts_frozen else 0}
-    mlp = (3 if m["gated"] else 2) * inner * a           # a no-grad MLP's live outputs, per token
+    # a no-grad MLP's live outputs, per token; with LoRA one more: peft's adapted layer returns
+    # base(x) + B(A(x)) * scaling, holding the base's output, the adapter's scaled output and their sum at once
+    mlp = ((3 if m["gated"] else 2) + lora) * inner * a
     # the logits the update's taps keep for the entropy check, before its first optimizer step ([c, T, V]), held
     # to the step's end (tepokit/core/taps.py)
     before = {"entropy check: logits before": rows_checked * T * V * a}
@@ -147,31 +149,41 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
         """n float32 temporaries of one chunk of the logits (forward.LOGITS_CHUNK_BYTES) over `positions`."""
         return n * min(LOGITS_CHUNK_BYTES, positions * V * nbytes)
 
+    # --decode-precision bf16 (sampling.decoding): bf16 copies of the fp32 parameters for the call, and every
+    # product, activation and cache entry in bf16 (RoPE's cos and sin too); else generation computes as the run does
+    bf16_decoding = settings.decode == "bf16"
+    g = 2 if bf16_decoding else a                         # bytes of a linear layer's output while generating
+    f = 2 if bf16_decoding else 4                         # bytes of what is fp32 otherwise (norms, residual stream)
+    gk = 2 * g if bf16_decoding else k                    # a key and a value in the cache
+    g_copies = ({"bf16 weights for decoding": 2 * (N + lora * n_trained)}
+                if bf16_decoding else {**copies, **cast})
+    g_mlp = mlp // a * g
+
     def rollout(prompts: int, group: int, stacked: bool) -> list:
         """The moments of generating `group` completions of `prompts` prompts (tepokit/core/sampling.py)."""
         rows = prompts * group
         if loop:     # sample_gpt2: fp32 keys and values of each prompt once, the completions' in one buffer
-            prompt_cache = {"prompts' keys and values": 2 * L * prompts * P * H * 4}
+            prompt_cache = {"prompts' keys and values": 2 * L * prompts * P * H * f}
             # a layer's queries, keys and values, its MLP, the residual stream, a norm's and the attention's
             # outputs, and the prompts' causal mask
-            return [("prefill", {**prompt_cache, **copies, **cast, "prefill: one layer": prompts * P * (3 * H * a + mlp
-                                                                                               + 3 * H * 4 + P)}),
-                    ("decoding", {**prompt_cache, **copies, **cast,
-                                  "completions' keys and values": 2 * L * rows * T * H * 4,
-                                  "sampling step (float32 [B, V])": rows * V * (a + 7 * 4)})]
-        cache = {"KV cache": L * rows * S * kv * k}
+            return [("prefill", {**prompt_cache, **g_copies, "prefill: one layer": prompts * P * (3 * H * g + g_mlp
+                                                                                             + 3 * H * f + P)}),
+                    ("decoding", {**prompt_cache, **g_copies,
+                                  "completions' keys and values": 2 * L * rows * T * H * f,
+                                  "sampling step (float32 [B, V])": rows * V * (g + 7 * 4)})]
+        cache = {"KV cache": L * rows * S * kv * gk}
         if static_cache:  # sample_static_cache: the whole cache from the prefill on; the attention reads all of it
-            sampling_step = {"sampling step (float32 [B, V])": rows * V * (a + 7 * 4)}
-            return [("prefill", {**cache, **copies, **cast, "prefill: one layer, its mask [B, 1, P, S]":
-                                 rows * P * (mlp + 3 * H * 4 + P + S) + rows * V * a}),
-                    ("decoding", {**cache, **copies, **cast, **sampling_step,
-                                  "repeated keys and values (and their bf16 copies)": 8 * rows * S * H})]
-        moments = [("prefill", {"KV cache": L * rows * P * kv * k, **copies, **cast,
-                                "prefill: one layer": rows * P * (mlp + 3 * H * 4 + P) + rows * V * a}),
+            sampling_step = {"sampling step (float32 [B, V])": rows * V * (g + 7 * 4)}
+            return [("prefill", {**cache, **g_copies, "prefill: one layer, its mask [B, 1, P, S]":
+                                 rows * P * (g_mlp + 3 * H * f + P + S) + rows * V * g}),
+                    ("decoding", {**cache, **g_copies, **sampling_step,
+                                  "repeated keys and values (and their bf16 copies)": 2 * f * rows * S * H})]
+        moments = [("prefill", {"KV cache": L * rows * P * kv * gk, **g_copies,
+                                "prefill: one layer": rows * P * (g_mlp + 3 * H * f + P) + rows * V * g}),
                    # a layer's cache grows by a copy; its keys and values repeated for the attention (GQA)
-                   ("decoding", {**cache, **copies, **cast, "one layer's cache copy, repeated keys and values":
-                                 2 * rows * S * (kv * k + H * a),
-                                 "sampling step (float32 [B, V])": rows * V * (a + 3 * 4),
+                   ("decoding", {**cache, **g_copies, "one layer's cache copy, repeated keys and values":
+                                 2 * rows * S * (kv * gk + H * g),
+                                 "sampling step (float32 [B, V])": rows * V * (g + 3 * 4),
                                  "stacked logits": rows * T * V * 4 if stacked else 0})]
         if stacked:  # generate's result keeps its cache while the log-probs are read from the stacked logits
             moments.append(("log-probs of the stacked logits", {**cache, "stacked logits":

@@ -1,0 +1,52 @@
+"""python -m tepokit.tools.gpu_check: the GPU measurements as one command. On the CPU with --micro (2-layer models
+of width 64, the real vocabularies): generation's table for both samplers in the three decoding precisions, with
+the log-prob gaps the sampler really has; the memory runs are valid train_small.py commands; bad input is refused in
+one line with nothing written."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+import train_small as ts
+from tepokit.cli.flags import parse_args
+from tepokit.tools import gpu_check
+
+
+def test_generation_is_measured_for_both_samplers_in_each_precision_with_its_gap(tmp_path, capsys):
+    out = tmp_path / "check"
+    result = gpu_check.main(["--micro", "--parts", "generation", "--out", str(out)])
+    rows = {(r["shape"], r["decode"]): r for r in result["generation"]}
+    assert set(rows) == {(s, d) for s in gpu_check.GENERATION_SHAPES for d in gpu_check.DECODES}
+    for shape in gpu_check.GENERATION_SHAPES:
+        assert rows[shape, "fp32"]["rows"] == 8 and rows[shape, "fp32"]["new_tokens"] == 8   # no end token: all 8
+        assert rows[shape, "fp32"]["token_max"] < 1e-5                  # fp32 decoding: the trainer's log-probs
+        assert 1e-4 < rows[shape, "bf16"]["token_max"] < 0.05           # bf16: off by bf16 rounding
+        assert rows[shape, "bf16"]["sequence_mean_max"] <= rows[shape, "bf16"]["token_max"]
+        assert all(rows[shape, d]["ms_per_token"] > 0 for d in gpu_check.DECODES)
+    assert json.loads((out / "gpu_check.json").read_text())["generation"] == result["generation"]
+    table = (out / "gpu_check.md").read_text()
+    assert "| qwen2.5-0.5b | static KV cache | bf16 |" in table and "not a measurement" in table
+    assert table in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("number", range(1, len(gpu_check.MEMORY_RUNS) + 1))
+def test_each_memory_run_is_a_valid_train_small_command(number, tmp_path):
+    """What measure_memory runs, as train_small.py parses and validates it (a refused run would exit 2)."""
+    name, shape, flags = gpu_check.MEMORY_RUNS[number - 1]
+    (tmp_path / "data.jsonl").write_text(json.dumps({"question": "a?", "answer": "#### 1"}) + "\n")
+    args, _ = parse_args(ts.Args, ["--dataset", str(tmp_path / "data.jsonl"), *gpu_check.COMMON_FLAGS, "--max-new-tokens",
+                                   "256", "--max-prompt-tokens", "256", *flags])
+    assert args.check_memory_on_device and args.objective == "grpo" and args.prompts_per_step * args.group_size == 128
+
+
+@pytest.mark.parametrize("argv, says", [(["--parts", "generation,speed"], "--parts"),
+                                        (["--bench-decode", "fp16"], "--bench-decode"),
+                                        (["--memory-runs", "9"], "--memory-runs"), (["--jobs", "0"], "--jobs")])
+def test_bad_input_is_refused_in_one_line_and_nothing_is_written(argv, says, tmp_path):
+    out = tmp_path / "check"
+    done = subprocess.run([sys.executable, "-m", "tepokit.tools.gpu_check", *argv, "--out", str(out)],
+                          capture_output=True, text=True, cwd=gpu_check.os.path.dirname(gpu_check.SCRIPT))
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and says in lines[0], done.stderr
+    assert lines[0].startswith("python -m tepokit.tools.gpu_check: error: ") and not out.exists()

@@ -1,0 +1,367 @@
+"""python -m tepokit.tools.gpu_check: the one-GPU path measured on your card, in one command and a few minutes.
+
+What docs/one-gpu.md reports, measured again on whatever GPU runs it, over models of real shapes with random
+weights (tepokit/setup/shapes.py: GPT-2 small, Qwen2.5-0.5B, 1.5B and 3B, built from their configurations;
+nothing is downloaded) and prompts of GSM8K's length cut to 256 tokens:
+
+  generation  milliseconds per new token of the rollout's generation (16 prompts x 8 samples = 128 rows, 256
+              new tokens, no end token: every row runs to the end; the whole call over 256, prefill and CUDA-graph
+              capture included) for GPT-2's loop and transformers' static KV cache (the Qwen shape), each in fp32,
+              TF32 and bf16 (--decode-precision); and how far each one's log-probs are from the trainer's fp32
+              forward over the same tokens: per token (largest, mean) and per completion (the mean over its tokens,
+              the sequence-level log-ratio that GSPO and TEPO clip in a band of (-3e-4, +4e-4))
+  memory      train_small.py --check-memory-on-device for the recipes of docs/one-gpu.md (GRPO: it trains every
+              row): each phase's plan beside torch.cuda.max_memory_allocated, and whether it lies within -5% and
+              +25% of it
+  bench       train_small.py --bench --bench-shape gpt2-small at the same work (16 x 8 x 256), once per
+              --bench-decode precision (TRL's generation in the same one): our step, with the sampler's old
+              log-probs and recomputing them, against TRL's GRPOTrainer
+
+Writes gpu_check.json (every number) and gpu_check.md (the tables) to --out, and prints the tables. --micro runs
+the same on 2-layer models of width 64 with the real vocabularies, a few tokens and (in generation) 4 prompts x 2
+samples: a check of the command on any machine (the CPU included), not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import torch
+
+from tepokit.plumbing.errors import fail
+from tepokit.plumbing.rundir import read_log, write_json
+
+PROGRAM = "python -m tepokit.tools.gpu_check"
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "train_small.py")
+PARTS = ("generation", "memory", "bench")
+DECODES = ("fp32", "tf32", "bf16")
+GENERATION_SHAPES = {"gpt2-small": "GPT-2's loop", "qwen2.5-0.5b": "static KV cache"}
+# The recipes of docs/one-gpu.md's memory tables: (name, shape, flags). Each adds COMMON_FLAGS.
+MEMORY_RUNS = [
+    ("Qwen2.5-0.5B, fp32, micro-batches of 4, checkpointing", "qwen2.5-0.5b",
+     ["--micro-batch-size", "4", "--gradient-checkpointing"]),
+    ("GPT-2 small, fp32, micro-batches of 16", "gpt2-small", ["--micro-batch-size", "16"]),
+    ("Qwen2.5-0.5B, fp32, micro-batches of 16", "qwen2.5-0.5b", ["--micro-batch-size", "16"]),
+    ("Qwen2.5-0.5B, bf16, micro-batches of 16", "qwen2.5-0.5b", ["--micro-batch-size", "16", "--precision", "bf16"]),
+    ("Qwen2.5-0.5B, fp32, micro-batches of 16, bf16 decoding", "qwen2.5-0.5b",
+     ["--micro-batch-size", "16", "--decode-precision", "bf16"]),
+    ("Qwen2.5-1.5B, LoRA rank 16, micro-batches of 4, checkpointing", "qwen2.5-1.5b",
+     ["--lora-rank", "16", "--micro-batch-size", "4", "--gradient-checkpointing"]),
+    ("Qwen2.5-3B, LoRA rank 16, bf16 base, micro-batches of 4", "qwen2.5-3b",
+     ["--lora-rank", "16", "--lora-base-bf16", "--precision", "bf16", "--micro-batch-size", "4"]),
+]
+COMMON_FLAGS = ["--objective", "grpo", "--prompts-per-step", "16", "--group-size", "8", "--entropy-check-every", "1",
+                "--check-memory-on-device"]
+BENCH_FLAGS = ["--bench", "--bench-shape", "gpt2-small", "--prompts-per-step", "16", "--group-size", "8",
+               "--bench-repeats", "2"]
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(prog=PROGRAM, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--out", default=None, help="directory for the results (default: runs/gpu_check__<time>)")
+    parser.add_argument("--memory-runs", default="all", help=f"numbers of the memory runs, 1..{len(MEMORY_RUNS)}, "
+                        "comma-separated, or all")
+    parser.add_argument("--jobs", type=int, default=1, help="memory runs at once (each measures its own process's "
+                        "peak, so running several changes no number but their times)")
+    parser.add_argument("--bench-decode", default="fp32,tf32", help=f"the bench's --decode-precision, once each, "
+                        f"comma-separated, of {', '.join(DECODES)}")
+    parser.add_argument("--micro", action="store_true", help="2-layer models of width 64 and a few tokens: a check "
+                        "of the command, not a measurement")
+    args = parser.parse_args(argv)
+    args.parts = listed(args.parts, PARTS, "--parts")
+    args.bench_decode = listed(args.bench_decode, DECODES, "--bench-decode")
+    numbers = [str(i + 1) for i in range(len(MEMORY_RUNS))]
+    args.memory_runs = numbers if args.memory_runs == "all" else listed(args.memory_runs, numbers, "--memory-runs")
+    if args.jobs < 1:
+        fail(f"argument --jobs: invalid value {args.jobs}: use an integer of 1 or more", PROGRAM)
+    if args.out and os.path.exists(args.out) and os.listdir(args.out):
+        fail(f"argument --out: {args.out} is not empty; choose a new directory", PROGRAM)
+    args.out = args.out or os.path.join("runs", f"gpu_check__{time.strftime('%Y%m%d-%H%M%S')}")
+    # generation's rows and lengths: the tables' (16 prompts x 8 samples of 256 + 256 tokens), or --micro's few
+    args.prompts, args.group = (4, 2) if args.micro else (16, 8)
+    args.prompt_tokens, args.new_tokens = (16, 8) if args.micro else (256, 256)
+    return args
+
+
+def listed(value: str, valid, flag: str) -> list:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [v for v in items if v not in valid]
+    if bad or not items:
+        fail(f"argument {flag}: invalid value {value!r}: use a comma-separated list of {', '.join(valid)}", PROGRAM)
+    return items
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    os.makedirs(args.out)
+    result = {"device": device_name(device), "torch": torch.__version__, "started_at": now(), "micro": args.micro,
+              "code": code_version()}
+    print(f"{PROGRAM}: {result['device']}, torch {torch.__version__}{', --micro (not a measurement)' * args.micro}; "
+          f"results in {args.out}", flush=True)
+    data = write_long_problems(os.path.join(args.out, "data.jsonl"))
+    shapes = sorted({s for s in GENERATION_SHAPES if "generation" in args.parts}
+                    | {MEMORY_RUNS[int(i) - 1][1] for i in args.memory_runs if "memory" in args.parts})
+    models = make_models(shapes, data, args, device)
+    for part, measure in (("generation", lambda: measure_generation(models, data, args, device)),
+                          ("memory", lambda: measure_memory(models, data, args)),
+                          ("bench", lambda: measure_bench(args))):
+        if part in args.parts:
+            result[part] = measure()
+            write_json(os.path.join(args.out, "gpu_check.json"), result)     # each part kept as soon as it is done
+    result["finished_at"] = now()
+    write_json(os.path.join(args.out, "gpu_check.json"), result)
+    tables = report(result)
+    with open(os.path.join(args.out, "gpu_check.md"), "w") as f:
+        f.write(tables)
+    print(tables)
+    print(f"written: {os.path.join(args.out, 'gpu_check.json')}, {os.path.join(args.out, 'gpu_check.md')}")
+    return result
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def code_version() -> str | None:
+    """The git commit of the checkout that ran (with '+changes' when tracked files differ from it), or None."""
+    root = os.path.dirname(SCRIPT)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return commit.stdout.strip() + ("+changes" if dirty else "")
+
+
+def device_name(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU {platform.processor() or platform.machine()}"
+
+
+def write_long_problems(path: str) -> str:
+    """600 word problems of GSM8K's kind and more than 256 characters (the models' tokens), 'question' and
+    'answer' ('#### n') records, seeded."""
+    import random
+    draw = random.Random(0)
+    with open(path, "w") as f:
+        for _ in range(600):
+            name, item = draw.choice(["Ann", "Bob", "Cat", "Dan", "Eve"]), draw.choice(["pens", "cups", "shells"])
+            counts = [draw.randint(2, 30) for _ in range(8)]
+            story = " ".join(f"On day {d + 1} {name} finds {n} more {item} in the old shed behind the house."
+                             for d, n in enumerate(counts))
+            f.write(json.dumps({"question": f"{story} How many {item} does {name} have now?",
+                                "answer": f"{sum(counts)}\n#### {sum(counts)}"}) + "\n")
+    return path
+
+
+def make_models(shapes: list, data: str, args, device) -> dict:
+    """Each shape's random-weight model in <out>/models/<shape> (bf16 on disk: runs load it in fp32)."""
+    import datasets
+    from tepokit.setup.shapes import save_random_model
+    with open(data) as f:
+        records = [json.loads(line) for line in f]
+    task = datasets.DatasetDict({"train": datasets.Dataset.from_list(records),
+                                 "test": datasets.Dataset.from_list(records[:1])})
+    models = {}
+    for shape in shapes:
+        t0 = time.time()
+        models[shape] = save_random_model(shape, task, 0, os.path.join(args.out, "models", shape), micro=args.micro,
+                                          dtype=torch.bfloat16, device=device.type)
+        print(f"  model {shape}{' (micro)' * args.micro}: {time.time() - t0:.0f} s", flush=True)
+    return models
+
+
+def measure_generation(models: dict, data: str, args, device) -> list:
+    """Per shape and decoding precision: ms per new token (the best of two timed calls after an untimed one) and
+    the log-prob gap to the trainer's fp32 forward over the same tokens."""
+    from tepokit.core.sampling import decoding, sample
+    from tepokit.setup.model import load_policy
+    rows = []
+    for shape, sampler in GENERATION_SHAPES.items():
+        as_a_run = SimpleNamespace(model=models[shape], trust_remote_code=False, chat_template="off",
+                                   gradient_checkpointing=False)
+        model, tokenizer = load_policy(models[shape], as_a_run, device)       # as a run loads it: fp32, on `device`
+        prompt_ids, prompt_mask = long_prompts(tokenizer, data, args.prompts, args.prompt_tokens, device)   # [U, P]
+        for decode in DECODES:
+            seconds = []
+            for _ in range(3):
+                torch.manual_seed(0)
+                synchronize(device)
+                t0 = time.perf_counter()
+                with decoding(model, decode), torch.no_grad():
+                    out = sample(model, prompt_ids, prompt_mask, args.group, args.new_tokens, 1.0, "fp32", "loop", "on",
+                                 eos_ids=[])                           # a run's sampler on a GPU, eagerly on a CPU
+                synchronize(device)
+                seconds.append(time.perf_counter() - t0)
+            gap = logprob_gap(model, prompt_ids, prompt_mask, out, rows_per_forward=16)
+            rows.append({"shape": shape, "sampler": sampler, "decode": decode, "rows": out["completion_ids"].shape[0],
+                         "new_tokens": out["completion_ids"].shape[1],
+                         "ms_per_token": 1e3 * min(seconds[1:]) / out["completion_ids"].shape[1], **gap})
+            print(f"  generation {shape} {decode}: {rows[-1]['ms_per_token']:.2f} ms per token, log-prob gap max "
+                  f"{gap['token_max']:.2e}", flush=True)
+        del model
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+    return rows
+
+
+def synchronize(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def long_prompts(tokenizer, data: str, prompts: int, prompt_tokens: int, device) -> tuple:
+    """`prompts` prompts of exactly prompt_tokens tokens (the problems' last ones, as a run cuts them)."""
+    with open(data) as f:
+        questions = [json.loads(line)["question"] for line in f][:prompts]
+    ids = [tokenizer(q).input_ids[-prompt_tokens:] for q in questions]
+    assert min(map(len, ids)) == prompt_tokens, "the problems are shorter than the prompts' length"
+    return torch.tensor(ids, device=device), torch.ones(len(ids), prompt_tokens, dtype=torch.long, device=device)
+
+
+@torch.no_grad()
+def logprob_gap(model, prompt_ids, prompt_mask, out: dict, rows_per_forward: int) -> dict:
+    """The sampler's log-probs against the trainer's: a fp32 forward over prompt + completion (no TF32), as
+    train_small.py recomputes old log-probs, rows_per_forward rows at a time. Largest and mean |gap| per token;
+    largest |mean gap| per completion (every completion is full length: no end token)."""
+    from tepokit.core.forward import completion_logits, token_logprobs
+    group = out["completion_ids"].shape[0] // prompt_ids.shape[0]
+    batch = SimpleNamespace(prompt_ids=prompt_ids.repeat_interleave(group, 0),
+                            prompt_mask=prompt_mask.repeat_interleave(group, 0),
+                            completion_ids=out["completion_ids"],
+                            completion_mask=torch.ones_like(out["completion_ids"]))
+    trainer = torch.cat([token_logprobs(completion_logits(model, batch, rows, "fp32", prompt_once=True),
+                                        batch.completion_ids[rows], 1.0)
+                         for rows in torch.arange(batch.completion_ids.shape[0]).split(rows_per_forward)])   # [B, T]
+    gap = out["logp"] - trainer                                                                              # [B, T]
+    return {"token_max": gap.abs().max().item(), "token_mean": gap.abs().mean().item(),
+            "sequence_mean_max": gap.mean(1).abs().max().item()}
+
+
+def measure_memory(models: dict, data: str, args) -> list:
+    """The chosen MEMORY_RUNS, --jobs at a time, each train_small.py --check-memory-on-device in its own process;
+    its console in <out>/memory/<number>.log. The steps' final checkpoint and policy are deleted once read."""
+    os.makedirs(os.path.join(args.out, "memory"))
+    lengths = ["--max-prompt-tokens", str(args.prompt_tokens), "--max-new-tokens", str(args.new_tokens)]
+
+    def run(number: str) -> dict:
+        name, shape, flags = MEMORY_RUNS[int(number) - 1]
+        out = os.path.join(args.out, "memory", number)
+        argv = [sys.executable, SCRIPT, "--model", models[shape], "--dataset", data, *COMMON_FLAGS, *lengths, *flags,
+                "--out", out]
+        t0 = time.time()
+        with open(out + ".log", "w") as log:
+            done = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT)
+        row = {"number": int(number), "name": name, "shape": shape, "flags": " ".join(flags),
+               "seconds": time.time() - t0, "returncode": done.returncode}
+        if done.returncode == 0:
+            with open(os.path.join(out, "memory_check.json")) as f:
+                row.update(json.load(f))
+            steps = read_log(os.path.join(out, "run", "metrics.jsonl"))[1:]
+            row["second_step_seconds"] = {k[len("timing/"):]: v for k, v in steps[-1].items()
+                                          if k.startswith("timing/")}
+            for saved in ("checkpoint.pt", "policy"):     # gigabytes of weights, not measurements
+                path = os.path.join(out, "run", saved)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path) if os.path.exists(path) else None
+        print(f"  memory run {number} ({name}): {'done' if done.returncode == 0 else 'FAILED, see ' + out + '.log'} "
+              f"in {row['seconds']:.0f} s", flush=True)
+        return row
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        return list(pool.map(run, args.memory_runs))
+
+
+def measure_bench(args) -> list:
+    """--bench at the table's work, once per --bench-decode precision; its console in <out>/bench_<decode>.log."""
+    rows = []
+    for decode in args.bench_decode:
+        out = os.path.join(args.out, f"bench_{decode}")
+        lengths = ["--max-new-tokens", str(args.new_tokens)] + (["--bench-steps", "1"] if args.micro else [])
+        # the sampler's old log-probs on the first side, recomputed on the second, in every decoding precision
+        argv = [sys.executable, SCRIPT, *BENCH_FLAGS, *lengths, "--decode-precision", decode,
+                "--no-recompute-old-logprobs", "--out", out]
+        with open(out + ".log", "w") as log:
+            done = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT)
+        row = {"decode": decode, "returncode": done.returncode}
+        if done.returncode == 0:
+            with open(os.path.join(out, "bench.json")) as f:
+                bench = json.load(f)
+            row.update(ratio=bench["ratio"], ratio_recomputed=bench["ratio_recomputed"], device=bench["device"],
+                       ours_seconds=[o["step_time"] for o in bench["ours"]],
+                       trl_seconds=[t["step_time"] for t in bench["trl"]],
+                       ours_phases={k: sum(o[k] for o in bench["ours"]) / len(bench["ours"])
+                                    for k in bench["ours"][0] if k.startswith("timing/")})
+        print(f"  bench, {decode} decoding: "
+              f"{'%.2fx TRL' % row['ratio']['median'] if done.returncode == 0 else 'FAILED, see ' + out + '.log'}",
+              flush=True)
+        rows.append(row)
+    return rows
+
+
+def report(result: dict) -> str:
+    """The tables of gpu_check.md."""
+    lines = [f"# gpu_check: {result['device']}, torch {result['torch']}, {result['started_at']} to "
+             f"{result['finished_at']}, code {result['code']}" + (" (--micro: not a measurement)" * result["micro"]),
+             ""]
+    if "generation" in result:
+        first = result["generation"][0]
+        lines += [f"## Generation per new token ({first['rows']} rows, {first['new_tokens']} new tokens: the whole "
+                  "call over them)", "",
+                  "| shape | sampler | decoding | ms per token | log-prob gap: token max | token mean | "
+                  "completion mean, max |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['shape']} | {r['sampler']} | {r['decode']} | {r['ms_per_token']:.2f} | {r['token_max']:.2e} | "
+                  f"{r['token_mean']:.2e} | {r['sequence_mean_max']:.2e} |" for r in result["generation"]]
+        lines.append("")
+    if "memory" in result:
+        measure = ("resident memory (on a CPU it keeps freed blocks: a check of the command, not of the plan)"
+                   if result["device"].startswith("CPU") else "torch.cuda.max_memory_allocated")
+        lines += [f"## Memory: the plan against {measure}, every phase", "",
+                  "| # | run | plan (phase) | measured (phase) | plan / measured | each phase's plan / measured | "
+                  "within -5%/+25% |", "|---|---|---|---|---|---|---|"]
+        for r in result["memory"]:
+            if r["returncode"] != 0:
+                lines.append(failed(f"{r['number']} | {r['name']}", r["returncode"], columns=7))
+                continue
+            ratios = {p: r["planned_mb"][p] / r["measured_mb"][p] for p in r["planned_mb"] if r["measured_mb"][p] > 0}
+            lines.append(f"| {r['number']} | {r['name']} | {r['planned_peak_mb'] / 1024:.2f} GiB "
+                         f"({r['planned_phase']}) | {r['measured_peak_mb'] / 1024:.2f} GiB ({r['measured_phase']}) | "
+                         f"{r['planned_peak_mb'] / r['measured_peak_mb']:.2f} | "
+                         + ", ".join(f"{p} {v:.2f}" for p, v in ratios.items())
+                         + f" | {'yes' if all(0.95 <= v <= 1.25 for v in ratios.values()) else 'NO'} |")
+        lines.append("")
+    if "bench" in result:
+        lines += ["## --bench: our step against TRL's GRPOTrainer (GPT-2 small shape, 16 x 8 x 256)", "",
+                  "| decoding | ours (the sampler's old log-probs), s per step | TRL, s per step | TRL / ours (median, "
+                  "range) | TRL / ours recomputing the old log-probs |", "|---|---|---|---|---|"]
+        for r in result["bench"]:
+            if r["returncode"] != 0:
+                lines.append(failed(r["decode"], r["returncode"], columns=5))
+                continue
+            ratio, again = r["ratio"], r["ratio_recomputed"]
+            lines.append(f"| {r['decode']} | {', '.join('%.3f' % s for s in r['ours_seconds'])} | "
+                         f"{', '.join('%.3f' % s for s in r['trl_seconds'])} | {ratio['median']:.2f}x "
+                         f"({ratio['min']:.2f}-{ratio['max']:.2f}) | {again['median']:.2f}x |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def failed(label: str, returncode: int, columns: int) -> str:
+    """A table row for a run that failed: its label, its exit status (its log says why), empty cells."""
+    cells = label.count("|") + 2
+    return f"| {label} | failed (exit {returncode}); see its log |" + " |" * (columns - cells)
+
+
+if __name__ == "__main__":
+    main()
