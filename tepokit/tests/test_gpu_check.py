@@ -50,3 +50,23 @@ def test_bad_input_is_refused_in_one_line_and_nothing_is_written(argv, says, tmp
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and says in lines[0], done.stderr
     assert lines[0].startswith("python -m tepokit.tools.gpu_check: error: ") and not out.exists()
+
+
+def test_a_check_cut_short_keeps_every_row_it_measured(tmp_path, monkeypatch):
+    """Each row is written to gpu_check.json as soon as it is measured: stopped during the second row's calls, the
+    file holds the first row, whole."""
+    from tepokit.core import sampling
+    calls, sample = [], sampling.sample
+
+    def stopped_at_the_fifth_call(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:                 # the first row takes 3 calls (one untimed, two timed)
+            raise KeyboardInterrupt
+        return sample(*args, **kwargs)
+    monkeypatch.setattr(sampling, "sample", stopped_at_the_fifth_call)
+    out = tmp_path / "check"
+    with pytest.raises(KeyboardInterrupt):
+        gpu_check.main(["--micro", "--parts", "generation", "--out", str(out)])
+    kept = json.loads((out / "gpu_check.json").read_text())
+    assert [(r["shape"], r["decode"]) for r in kept["generation"]] == [("gpt2-small", "fp32")]
+    assert kept["generation"][0]["ms_per_token"] > 0 and "finished_at" not in kept

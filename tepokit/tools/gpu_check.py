@@ -31,6 +31,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -113,12 +114,20 @@ def main(argv=None) -> dict:
     shapes = sorted({s for s in GENERATION_SHAPES if "generation" in args.parts}
                     | {MEMORY_RUNS[int(i) - 1][1] for i in args.memory_runs if "memory" in args.parts})
     models = make_models(shapes, data, args, device)
-    for part, measure in (("generation", lambda: measure_generation(models, data, args, device)),
-                          ("memory", lambda: measure_memory(models, data, args)),
-                          ("bench", lambda: measure_bench(args))):
+    lock = threading.Lock()
+
+    def keep(rows: list, row: dict) -> None:
+        """A measured row into the results, written at once: a check cut short keeps what it measured."""
+        with lock:
+            rows.append(row)
+            write_json(os.path.join(args.out, "gpu_check.json"), result)
+
+    for part, measure in (("generation", lambda rows: measure_generation(models, data, args, device, rows, keep)),
+                          ("memory", lambda rows: measure_memory(models, data, args, rows, keep)),
+                          ("bench", lambda rows: measure_bench(args, rows, keep))):
         if part in args.parts:
-            result[part] = measure()
-            write_json(os.path.join(args.out, "gpu_check.json"), result)     # each part kept as soon as it is done
+            result[part] = []
+            measure(result[part])
     result["finished_at"] = now()
     write_json(os.path.join(args.out, "gpu_check.json"), result)
     tables = report(result)
@@ -184,12 +193,11 @@ def make_models(shapes: list, data: str, args, device) -> dict:
     return models
 
 
-def measure_generation(models: dict, data: str, args, device) -> list:
+def measure_generation(models: dict, data: str, args, device, rows: list, keep) -> None:
     """Per shape and decoding precision: ms per new token (the best of two timed calls after an untimed one) and
-    the log-prob gap to the trainer's fp32 forward over the same tokens."""
+    the log-prob gap to the trainer's fp32 forward over the same tokens; each row kept (keep) into rows."""
     from tepokit.core.sampling import decoding, sample
     from tepokit.setup.model import load_policy
-    rows = []
     for shape, sampler in GENERATION_SHAPES.items():
         as_a_run = SimpleNamespace(model=models[shape], trust_remote_code=False, chat_template="off",
                                    gradient_checkpointing=False)
@@ -207,14 +215,13 @@ def measure_generation(models: dict, data: str, args, device) -> list:
                 synchronize(device)
                 seconds.append(time.perf_counter() - t0)
             gap = logprob_gap(model, prompt_ids, prompt_mask, out, rows_per_forward=16)
-            rows.append({"shape": shape, "sampler": sampler, "decode": decode, "rows": out["completion_ids"].shape[0],
+            keep(rows, {"shape": shape, "sampler": sampler, "decode": decode, "rows": out["completion_ids"].shape[0],
                          "new_tokens": out["completion_ids"].shape[1],
                          "ms_per_token": 1e3 * min(seconds[1:]) / out["completion_ids"].shape[1], **gap})
             print(f"  generation {shape} {decode}: {rows[-1]['ms_per_token']:.2f} ms per token, log-prob gap max "
                   f"{gap['token_max']:.2e}", flush=True)
         del model
         torch.cuda.empty_cache() if device.type == "cuda" else None
-    return rows
 
 
 def synchronize(device) -> None:
@@ -250,13 +257,14 @@ def logprob_gap(model, prompt_ids, prompt_mask, out: dict, rows_per_forward: int
             "sequence_mean_max": gap.mean(1).abs().max().item()}
 
 
-def measure_memory(models: dict, data: str, args) -> list:
+def measure_memory(models: dict, data: str, args, rows: list, keep) -> None:
     """The chosen MEMORY_RUNS, --jobs at a time, each train_small.py --check-memory-on-device in its own process;
-    its console in <out>/memory/<number>.log. The steps' final checkpoint and policy are deleted once read."""
+    its console in <out>/memory/<number>.log. The steps' final checkpoint and policy are deleted once read. Each
+    row kept (keep) into rows as its run ends, then rows put in the runs' order."""
     os.makedirs(os.path.join(args.out, "memory"))
     lengths = ["--max-prompt-tokens", str(args.prompt_tokens), "--max-new-tokens", str(args.new_tokens)]
 
-    def run(number: str) -> dict:
+    def run(number: str) -> None:
         name, shape, flags = MEMORY_RUNS[int(number) - 1]
         out = os.path.join(args.out, "memory", number)
         argv = [sys.executable, SCRIPT, "--model", models[shape], "--dataset", data, *COMMON_FLAGS, *lengths, *flags,
@@ -277,15 +285,16 @@ def measure_memory(models: dict, data: str, args) -> list:
                 shutil.rmtree(path) if os.path.isdir(path) else os.remove(path) if os.path.exists(path) else None
         print(f"  memory run {number} ({name}): {'done' if done.returncode == 0 else 'FAILED, see ' + out + '.log'} "
               f"in {row['seconds']:.0f} s", flush=True)
-        return row
+        keep(rows, row)
 
     with ThreadPoolExecutor(args.jobs) as pool:
-        return list(pool.map(run, args.memory_runs))
+        list(pool.map(run, args.memory_runs))
+    rows.sort(key=lambda row: row["number"])
 
 
-def measure_bench(args) -> list:
-    """--bench at the table's work, once per --bench-decode precision; its console in <out>/bench_<decode>.log."""
-    rows = []
+def measure_bench(args, rows: list, keep) -> None:
+    """--bench at the table's work, once per --bench-decode precision; its console in <out>/bench_<decode>.log; each
+    row kept (keep) into rows."""
     for decode in args.bench_decode:
         out = os.path.join(args.out, f"bench_{decode}")
         lengths = ["--max-new-tokens", str(args.new_tokens)] + (["--bench-steps", "1"] if args.micro else [])
@@ -306,8 +315,7 @@ def measure_bench(args) -> list:
         print(f"  bench, {decode} decoding: "
               f"{'%.2fx TRL' % row['ratio']['median'] if done.returncode == 0 else 'FAILED, see ' + out + '.log'}",
               flush=True)
-        rows.append(row)
-    return rows
+        keep(rows, row)
 
 
 def report(result: dict) -> str:
