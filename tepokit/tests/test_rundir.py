@@ -413,19 +413,22 @@ def test_a_file_size_limit_is_one_line_in_a_real_process(tmp_path):
 
 
 def test_a_run_saved_before_the_sampler_resumes_with_the_arithmetic_it_had(workdir):
-    """config.json written before --sampler, --recompute-old-logprobs and --fast existed: --resume fills them in
-    with what that run did (generate, recomputed old log-probs, the prompt-once forward) instead of refusing it."""
+    """config.json written before --sampler, --recompute-old-logprobs, --fast and --decode-precision existed: --resume
+    fills them in with what that run did (generate, recomputed old log-probs, the prompt-once forward, fp32
+    decoding, which a GPU's auto would no longer be) instead of refusing it."""
     out = "runs/before_sampler"
     run_main([*MICRO, "--steps", "2", "--stop-after", "1", "--out", out])
     path = os.path.join(out, "config.json")
     config = json.load(open(path))
     del config["args"]["sampler"], config["args"]["recompute_old_logprobs"], config["args"]["fast"]
+    del config["args"]["decode_precision"]
     with open(path, "w") as f:
         json.dump(config, f)
     run_main(["--resume", out])
     assert [r["step"] for r in read_rows(out)] == [0, 1, 2]
     resumed = resume.check_resumable(out, ts.Args, cli.RUN_ONLY_FIELDS)[0]["args"]
     assert resumed["sampler"] == "generate" and resumed["recompute_old_logprobs"] is True and resumed["fast"] is True
+    assert resumed["decode_precision"] == "fp32"
     assert "logprobs/sampling_vs_recomputed_max_abs" in read_rows(out)[2]       # recomputed, and checked
 
 
