@@ -67,7 +67,10 @@ BENCH_FLAGS = ["--bench", "--bench-shape", "gpt2-small", "--prompts-per-step", "
 
 
 def parse(argv=None):
-    parser = argparse.ArgumentParser(prog=PROGRAM, description=__doc__.split("\n\n")[0])
+    runs = "\n".join(f"  {i + 1}  {name}" for i, (name, _, _) in enumerate(MEMORY_RUNS))
+    parser = argparse.ArgumentParser(prog=PROGRAM, description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=f"the memory runs (GRPO, 16 x 8 rows of 256 + 256 tokens):\n{runs}")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--out", default=None, help="directory for the results (default: runs/gpu_check__<time>)")
     parser.add_argument("--memory-runs", default="all", help=f"numbers of the memory runs, 1..{len(MEMORY_RUNS)}, "
