@@ -27,8 +27,8 @@ from tepokit.core.generate import sample_generate, sample_static_cache, static_c
 from tepokit.core.shared_prefix import sample_gpt2
 
 
-# --decode-precision of a fp32 run on a GPU when it says auto: TF32 or bf16 decoding is several times faster than
-# fp32's (docs/one-gpu.md, "Decoding precision"); why this one is the default is said there.
+# --decode-precision of a fp32 run on a GPU when it says auto: TF32 and bf16 decoding are faster than fp32's, and
+# TF32's log-prob gap stays inside every objective's clip band (docs/one-gpu.md, "Decoding precision", measures both).
 AUTO_DECODE_ON_CUDA = "tf32"
 # the decoding precisions whose log-probs serve as the old ones (the rest recompute them: step_settings.py)
 SAMPLER_LOGPROBS_ARE_OLD = ("fp32",)
