@@ -107,7 +107,8 @@ def sample(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens: int,
     as a measurement of every row at full length wants). The result's tensors are sample_gpt2's."""
     device = prompt_ids.device
     settings = dict(group_size=group_size, max_new_tokens=max_new_tokens, temperature=temperature,
-                    eos_ids=eos_ids_of(model) if eos_ids is None else eos_ids, pad_id=model.generation_config.pad_token_id, greedy=greedy)
+                    eos_ids=eos_ids_of(model) if eos_ids is None else eos_ids,
+                    pad_id=model.generation_config.pad_token_id, greedy=greedy)
     static = static_generation(fast=True, cuda_graphs=cuda_graphs, device_type=device.type)   # sample: --fast
     with autocast(device, precision):
         if uses_loop(model.config, fast=True, sampler=sampler):
