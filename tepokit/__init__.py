@@ -27,9 +27,10 @@ this list (a folder imports the ones below it, never one above), and nothing imp
                 rewards of --reward), metrics.py (a mini-batch's metrics from its micro-batches'), clock.py (each
                 phase's seconds), taps.py (the update's one observer, through which the measurements look inside
                 it); the fast twins of the plain path, each tested equal to it:
-                sampling.py (which sampler a rollout uses, in which --decode-precision), shared_prefix.py (the GPT-2 sampler that reads each
-                prompt once per group, and the sampling loop), generate.py (every other model's), cuda_graph.py (a
-                static KV cache replayed as a CUDA graph); step_settings.py (what the step reads, resolved once)
+                sampling.py (which sampler a rollout uses, in which --decode-precision), shared_prefix.py (the GPT-2
+                sampler that reads each prompt once per group, and the sampling loop), generate.py (every other
+                model's), cuda_graph.py (a static KV cache replayed as a CUDA graph); step_settings.py (what the step
+                reads, resolved once)
   plumbing/     the run directory and the process: rundir.py (lock, config, logs, checkpoints), signals.py (Ctrl-C,
                 SIGTERM, SIGHUP: finish the step, checkpoint, exit), non_finite.py (a non-finite loss, gradient
                 or weight ends the run), report.py (--report-to), peak_memory.py, hub.py (the Hugging Face hub,

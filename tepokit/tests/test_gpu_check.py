@@ -35,8 +35,8 @@ def test_each_memory_run_is_a_valid_train_small_command(number, tmp_path):
     """What measure_memory runs, as train_small.py parses and validates it (a refused run would exit 2)."""
     name, shape, flags = gpu_check.MEMORY_RUNS[number - 1]
     (tmp_path / "data.jsonl").write_text(json.dumps({"question": "a?", "answer": "#### 1"}) + "\n")
-    args, _ = parse_args(ts.Args, ["--dataset", str(tmp_path / "data.jsonl"), *gpu_check.COMMON_FLAGS, "--max-new-tokens",
-                                   "256", "--max-prompt-tokens", "256", *flags])
+    args, _ = parse_args(ts.Args, ["--dataset", str(tmp_path / "data.jsonl"), *gpu_check.COMMON_FLAGS,
+                                   "--max-new-tokens", "256", "--max-prompt-tokens", "256", *flags])
     assert args.check_memory_on_device and args.objective == "grpo" and args.prompts_per_step * args.group_size == 128
 
 

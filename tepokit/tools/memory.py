@@ -270,7 +270,8 @@ def memory_plan(args, config, needs_ref: bool, device_type: str = "cpu") -> dict
         rows = min(b, rows_checked)
         after = {"logits before and after, at every checked row": 2 * rows_checked * T * V * a}
         return (floor + [(f"its forward: {moment}", {**copies, **after, **parts}) for moment, parts in forward(rows, a)]
-                + [("the checked positions", {**copies, **after, "their logits before and after": 2 * n_checked * V * a}),
+                + [("the checked positions", {**copies, **after,
+                                              "their logits before and after": 2 * n_checked * V * a}),
                    ("predicted and measured change", {**after, "positions before and after": 2 * n_checked * V * a,
                                                       "chunk temporaries": 8 * min(LOGITS_CHUNK_BYTES,
                                                                                    n_checked * V * 4)})])
