@@ -23,7 +23,7 @@ def test_generation_is_measured_for_both_samplers_in_each_precision_with_its_gap
         assert rows[shape, "fp32"]["token_max"] < 1e-5                  # fp32 decoding: the trainer's log-probs
         assert 1e-4 < rows[shape, "bf16"]["token_max"] < 0.05           # bf16: off by bf16 rounding
         assert rows[shape, "bf16"]["sequence_mean_max"] <= rows[shape, "bf16"]["token_max"]
-        assert all(rows[shape, d]["ms_per_token"] > 0 for d in gpu_check.DECODES)
+        assert all(rows[shape, d]["ms_per_token"] > 0 and "decode_step_ms" in rows[shape, d] for d in gpu_check.DECODES)
     assert json.loads((out / "gpu_check.json").read_text())["generation"] == result["generation"]
     table = (out / "gpu_check.md").read_text()
     assert "| qwen2.5-0.5b | static KV cache | bf16 |" in table and "not a measurement" in table
@@ -58,12 +58,12 @@ def test_a_check_cut_short_keeps_every_row_it_measured(tmp_path, monkeypatch):
     from tepokit.core import sampling
     calls, sample = [], sampling.sample
 
-    def stopped_at_the_fifth_call(*args, **kwargs):
+    def stopped_at_the_sixth_call(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 5:                 # the first row takes 3 calls (one untimed, two timed)
+        if len(calls) == 6:                 # the first row takes 4 calls: untimed, two timed, one half as long
             raise KeyboardInterrupt
         return sample(*args, **kwargs)
-    monkeypatch.setattr(sampling, "sample", stopped_at_the_fifth_call)
+    monkeypatch.setattr(sampling, "sample", stopped_at_the_sixth_call)
     out = tmp_path / "check"
     with pytest.raises(KeyboardInterrupt):
         gpu_check.main(["--micro", "--parts", "generation", "--out", str(out)])

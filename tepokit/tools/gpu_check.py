@@ -4,12 +4,13 @@ What docs/one-gpu.md reports, measured again on whatever GPU runs it, over model
 weights (tepokit/setup/shapes.py: GPT-2 small, Qwen2.5-0.5B, 1.5B and 3B, built from their configurations;
 nothing is downloaded) and prompts of GSM8K's length cut to 256 tokens:
 
-  generation  milliseconds per new token of the rollout's generation (16 prompts x 8 samples = 128 rows, 256
-              new tokens, no end token: every row runs to the end; the whole call over 256, prefill and CUDA-graph
-              capture included) for GPT-2's loop and transformers' static KV cache (the Qwen shape), each in fp32,
-              TF32 and bf16 (--decode-precision); and how far each one's log-probs are from the trainer's fp32
-              forward over the same tokens: per token (largest, mean) and per completion (the mean over its tokens,
-              the sequence-level log-ratio that GSPO and TEPO clip in a band of (-3e-4, +4e-4))
+  generation  milliseconds per new token of the rollout's generation (16 prompts x 8 samples = 128 rows, 256 new
+              tokens, no end token: every row runs to the end; the whole call over 256, prefill and CUDA-graph capture
+              included, and per decode step alone: what 128 more tokens add) for GPT-2's loop and transformers' static
+              KV cache (the Qwen shape), each in fp32, TF32 and bf16 (--decode-precision); and how far each one's
+              log-probs are from the trainer's fp32 forward over the same tokens: per token (largest, mean) and per
+              completion (the mean over its tokens, the sequence-level log-ratio that GSPO and TEPO clip in a band of
+              (-3e-4, +4e-4))
   memory      train_small.py --check-memory-on-device for the recipes of docs/one-gpu.md (GRPO: it trains every
               row): each phase's plan beside torch.cuda.max_memory_allocated, and whether it lies within -5% and
               +25% of it
@@ -197,34 +198,47 @@ def make_models(shapes: list, data: str, args, device) -> dict:
 
 
 def measure_generation(models: dict, data: str, args, device, rows: list, keep) -> None:
-    """Per shape and decoding precision: ms per new token (the best of two timed calls after an untimed one) and
-    the log-prob gap to the trainer's fp32 forward over the same tokens; each row kept (keep) into rows."""
-    from tepokit.core.sampling import decoding, sample
+    """Per shape and decoding precision: ms per new token (the whole call over its new tokens, the best of two timed
+    calls after an untimed one), ms per decode step (the difference a call of half as many new tokens makes, per
+    token: the prefill, the capture and the bf16 cast taken out) and the log-prob gap to the trainer's fp32 forward
+    over the same tokens; each row kept (keep) into rows."""
     from tepokit.setup.model import load_policy
     for shape, sampler in GENERATION_SHAPES.items():
         as_a_run = SimpleNamespace(model=models[shape], trust_remote_code=False, chat_template="off",
                                    gradient_checkpointing=False)
         model, tokenizer = load_policy(models[shape], as_a_run, device)       # as a run loads it: fp32, on `device`
         prompt_ids, prompt_mask = long_prompts(tokenizer, data, args.prompts, args.prompt_tokens, device)   # [U, P]
+
+        def timed(decode: str, new_tokens: int) -> tuple:
+            return timed_generation(model, prompt_ids, prompt_mask, args.group, new_tokens, decode, device)
+
         for decode in DECODES:
-            seconds = []
-            for _ in range(3):
-                torch.manual_seed(0)
-                synchronize(device)
-                t0 = time.perf_counter()
-                with decoding(model, decode), torch.no_grad():
-                    out = sample(model, prompt_ids, prompt_mask, args.group, args.new_tokens, 1.0, "fp32", "loop", "on",
-                                 eos_ids=[])                           # a run's sampler on a GPU, eagerly on a CPU
-                synchronize(device)
-                seconds.append(time.perf_counter() - t0)
+            timed(decode, args.new_tokens)                                      # untimed: warm-up
+            (whole, out), (again, _) = timed(decode, args.new_tokens), timed(decode, args.new_tokens)
+            half, _ = timed(decode, args.new_tokens // 2)
+            T = out["completion_ids"].shape[1]
             gap = logprob_gap(model, prompt_ids, prompt_mask, out, rows_per_forward=16)
             keep(rows, {"shape": shape, "sampler": sampler, "decode": decode, "rows": out["completion_ids"].shape[0],
-                         "new_tokens": out["completion_ids"].shape[1],
-                         "ms_per_token": 1e3 * min(seconds[1:]) / out["completion_ids"].shape[1], **gap})
-            print(f"  generation {shape} {decode}: {rows[-1]['ms_per_token']:.2f} ms per token, log-prob gap max "
-                  f"{gap['token_max']:.2e}", flush=True)
-        del model
+                        "new_tokens": T, "ms_per_token": 1e3 * min(whole, again) / T,
+                        "decode_step_ms": 1e3 * (min(whole, again) - half) / (T - args.new_tokens // 2), **gap})
+            print(f"  generation {shape} {decode}: {rows[-1]['ms_per_token']:.2f} ms per token "
+                  f"({rows[-1]['decode_step_ms']:.2f} per decode step), log-prob gap max {gap['token_max']:.2e}",
+                  flush=True)
+        model = None                                                      # its memory back before the next shape
         torch.cuda.empty_cache() if device.type == "cuda" else None
+
+
+def timed_generation(model, prompt_ids, prompt_mask, group: int, new_tokens: int, decode: str, device) -> tuple:
+    """(seconds, the sampler's result) of one rollout's generation as a run makes it, seeded, with no end token."""
+    from tepokit.core.sampling import decoding, sample
+    torch.manual_seed(0)
+    synchronize(device)
+    t0 = time.perf_counter()
+    with decoding(model, decode), torch.no_grad():
+        out = sample(model, prompt_ids, prompt_mask, group, new_tokens, 1.0, "fp32", "loop", "on",
+                     eos_ids=[])                                       # a run's sampler on a GPU, eagerly on a CPU
+    synchronize(device)
+    return time.perf_counter() - t0, out
 
 
 def synchronize(device) -> None:
@@ -330,10 +344,11 @@ def report(result: dict) -> str:
         first = result["generation"][0]
         lines += [f"## Generation per new token ({first['rows']} rows, {first['new_tokens']} new tokens: the whole "
                   "call over them)", "",
-                  "| shape | sampler | decoding | ms per token | log-prob gap: token max | token mean | "
-                  "completion mean, max |", "|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['shape']} | {r['sampler']} | {r['decode']} | {r['ms_per_token']:.2f} | {r['token_max']:.2e} | "
-                  f"{r['token_mean']:.2e} | {r['sequence_mean_max']:.2e} |" for r in result["generation"]]
+                  "| shape | sampler | decoding | ms per token | ms per decode step | log-prob gap: token max | "
+                  "token mean | completion mean, max |", "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['shape']} | {r['sampler']} | {r['decode']} | {r['ms_per_token']:.2f} | "
+                  f"{r['decode_step_ms']:.2f} | {r['token_max']:.2e} | {r['token_mean']:.2e} | "
+                  f"{r['sequence_mean_max']:.2e} |" for r in result["generation"]]
         lines.append("")
     if "memory" in result:
         measure = ("resident memory (on a CPU it keeps freed blocks: a check of the command, not of the plan)"
