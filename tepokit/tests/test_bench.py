@@ -4,6 +4,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 import tepo
 import train_small as ts
@@ -170,3 +171,25 @@ def test_where_the_step_goes_names_the_device_and_its_rate_in_the_runs_dtype(cap
     update = next(line.split() for line in lines if line.strip().startswith("update"))
     assert update == ["update", "1.000", "25%", "500.00", "500.00", "50.0%"]
     assert bench.device_name(torch.device("cpu")).startswith("CPU ")
+
+
+def test_trls_generation_decodes_in_our_runs_decoding_precision(tmp_path, monkeypatch):
+    """The same work on both sides: with --decode-precision bf16, TRL's GRPOTrainer generates over bf16 weights
+    (ours does, tepokit/core/sampling.py's decoding) and trains over its fp32 ones again afterwards."""
+    from trl import GRPOTrainer
+    seen, trained, generate, compute_loss = [], [], GRPOTrainer._generate_single_turn, GRPOTrainer.compute_loss
+
+    def recording(self, *args, **kwargs):
+        seen.append({p.dtype for p in self.model.parameters()})
+        return generate(self, *args, **kwargs)
+
+    def training(self, *args, **kwargs):
+        trained.append({p.dtype for p in self.model.parameters()})
+        return compute_loss(self, *args, **kwargs)
+    monkeypatch.setattr(GRPOTrainer, "_generate_single_turn", recording)
+    monkeypatch.setattr(GRPOTrainer, "compute_loss", training)
+    args, overrides = parse_args(ts.Args, [*MICRO, "--bench", "--bench-steps", "1", "--decode-precision", "bf16"])
+    cfg = bench.objective_config(args, {**overrides, "dynamic_sampling": False})
+    timed = bench.bench_trl(args, cfg, str(tmp_path / "trl"), "bf16")
+    assert seen and all(dtypes == {torch.bfloat16} for dtypes in seen) and timed["step_time"] > 0
+    assert trained and all(dtypes == {torch.float32} for dtypes in trained)
