@@ -61,7 +61,8 @@ def check_resumable(run_dir: str, Args, run_only: tuple) -> tuple[dict, int]:
              f"({', '.join(unknown)}); {CANNOT_RESUME}")
     for name, value in DEFAULTS_OF_OLDER_CONFIGS.items():    # what a run saved before they existed did
         saved["args"].setdefault(name, value)
-    # before --decode-precision a fp32 run of our loop decoded in fp32 on every device (auto is TF32 on a GPU now)
+    # before --decode-precision a fp32 run of our loop decoded in fp32 on every device (auto is TF32 on a GPU now);
+    # not in DEFAULTS_OF_OLDER_CONFIGS, which --compare also reads: it depends on the run's other settings
     saved["args"].setdefault("decode_precision", "fp32" if saved["args"].get("precision") == "fp32"
                              and saved["args"].get("engine") == "tepo" else "auto")
     missing = sorted(set(Args.__dataclass_fields__) - set(run_only) - set(saved["args"]))

@@ -15,6 +15,7 @@ from tepokit.tools import gpu_check
 
 def test_generation_is_measured_for_both_samplers_in_each_precision_with_its_gap(tmp_path, capsys):
     out = tmp_path / "check"
+    out.mkdir()                                                         # an empty --out is taken as a new one
     result = gpu_check.main(["--micro", "--parts", "generation", "--out", str(out)])
     rows = {(r["shape"], r["decode"]): r for r in result["generation"]}
     assert set(rows) == {(s, d) for s in gpu_check.GENERATION_SHAPES for d in gpu_check.DECODES}

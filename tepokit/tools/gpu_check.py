@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -39,8 +38,10 @@ from types import SimpleNamespace
 
 import torch
 
+from tepokit.core.clock import wait_for_the_gpu
 from tepokit.plumbing.errors import fail
-from tepokit.plumbing.rundir import read_log, write_json
+from tepokit.plumbing.rundir import code_version, read_log, utc_now, write_json
+from tepokit.tools.bench import device_name
 
 PROGRAM = "python -m tepokit.tools.gpu_check"
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "train_small.py")
@@ -109,8 +110,8 @@ def listed(value: str, valid, flag: str) -> list:
 def main(argv=None) -> dict:
     args = parse(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    os.makedirs(args.out)
-    result = {"device": device_name(device), "torch": torch.__version__, "started_at": now(), "micro": args.micro,
+    os.makedirs(args.out, exist_ok=True)              # new, or empty (parse refused one that is not)
+    result = {"device": device_name(device), "torch": torch.__version__, "started_at": utc_now(), "micro": args.micro,
               "code": code_version()}
     print(f"{PROGRAM}: {result['device']}, torch {torch.__version__}{', --micro (not a measurement)' * args.micro}; "
           f"results in {args.out}", flush=True)
@@ -132,7 +133,7 @@ def main(argv=None) -> dict:
         if part in args.parts:
             result[part] = []
             measure(result[part])
-    result["finished_at"] = now()
+    result["finished_at"] = utc_now()
     write_json(os.path.join(args.out, "gpu_check.json"), result)
     tables = report(result)
     with open(os.path.join(args.out, "gpu_check.md"), "w") as f:
@@ -140,28 +141,6 @@ def main(argv=None) -> dict:
     print(tables)
     print(f"written: {os.path.join(args.out, 'gpu_check.json')}, {os.path.join(args.out, 'gpu_check.md')}")
     return result
-
-
-def now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-def code_version() -> str | None:
-    """The git commit of the checkout that ran (with '+changes' when tracked files differ from it), or None."""
-    root = os.path.dirname(SCRIPT)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
-                               text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return commit.stdout.strip() + ("+changes" if dirty else "")
-
-
-def device_name(device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU {platform.processor() or platform.machine()}"
 
 
 def write_long_problems(path: str) -> str:
@@ -210,7 +189,7 @@ def measure_generation(models: dict, data: str, args, device, rows: list, keep) 
         prompt_ids, prompt_mask = long_prompts(tokenizer, data, args.prompts, args.prompt_tokens, device)   # [U, P]
 
         def timed(decode: str, new_tokens: int) -> tuple:
-            return timed_generation(model, prompt_ids, prompt_mask, args.group, new_tokens, decode, device)
+            return timed_generation(model, prompt_ids, prompt_mask, args.group, new_tokens, decode)
 
         for decode in DECODES:
             timed(decode, args.new_tokens)                                      # untimed: warm-up
@@ -225,25 +204,21 @@ def measure_generation(models: dict, data: str, args, device, rows: list, keep) 
                   f"({rows[-1]['decode_step_ms']:.2f} per decode step), log-prob gap max {gap['token_max']:.2e}",
                   flush=True)
         model = None                                                      # its memory back before the next shape
-        torch.cuda.empty_cache() if device.type == "cuda" else None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
-def timed_generation(model, prompt_ids, prompt_mask, group: int, new_tokens: int, decode: str, device) -> tuple:
+def timed_generation(model, prompt_ids, prompt_mask, group: int, new_tokens: int, decode: str) -> tuple:
     """(seconds, the sampler's result) of one rollout's generation as a run makes it, seeded, with no end token."""
     from tepokit.core.sampling import decoding, sample
     torch.manual_seed(0)
-    synchronize(device)
+    wait_for_the_gpu()
     t0 = time.perf_counter()
     with decoding(model, decode), torch.no_grad():
         out = sample(model, prompt_ids, prompt_mask, group, new_tokens, 1.0, "fp32", "loop", "on",
                      eos_ids=[])                                       # a run's sampler on a GPU, eagerly on a CPU
-    synchronize(device)
+    wait_for_the_gpu()
     return time.perf_counter() - t0, out
-
-
-def synchronize(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def long_prompts(tokenizer, data: str, prompts: int, prompt_tokens: int, device) -> tuple:
@@ -299,7 +274,10 @@ def measure_memory(models: dict, data: str, args, rows: list, keep) -> None:
                                           if k.startswith("timing/")}
             for saved in ("checkpoint.pt", "policy"):     # gigabytes of weights, not measurements
                 path = os.path.join(out, "run", saved)
-                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path) if os.path.exists(path) else None
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                elif os.path.exists(path):
+                    os.remove(path)
         print(f"  memory run {number} ({name}): {'done' if done.returncode == 0 else 'FAILED, see ' + out + '.log'} "
               f"in {row['seconds']:.0f} s", flush=True)
         keep(rows, row)
@@ -338,7 +316,9 @@ def measure_bench(args, rows: list, keep) -> None:
 def report(result: dict) -> str:
     """The tables of gpu_check.md."""
     lines = [f"# gpu_check: {result['device']}, torch {result['torch']}, {result['started_at']} to "
-             f"{result['finished_at']}, code {result['code']}" + (" (--micro: not a measurement)" * result["micro"]),
+             f"{result['finished_at']}, code {result['code']['commit']}"
+             + (" with uncommitted changes" * bool(result["code"]["uncommitted_changes"]))
+             + (" (--micro: not a measurement)" * result["micro"]),
              ""]
     if "generation" in result:
         first = result["generation"][0]
