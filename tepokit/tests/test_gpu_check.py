@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import train_small as ts
 from tepokit.cli.flags import parse_args
@@ -29,6 +30,55 @@ def test_generation_is_measured_for_both_samplers_in_each_precision_with_its_gap
     table = (out / "gpu_check.md").read_text()
     assert "| qwen2.5-0.5b | static KV cache | bf16 |" in table and "not a measurement" in table
     assert table in capsys.readouterr().out
+
+
+def test_the_profile_says_where_each_generation_call_spends_its_time(tmp_path, capsys):
+    """The profile part on the CPU: a row per shape and decoding precision, torch's operators' time per new token
+    beside the call's wall time, the largest first, no CUDA graph replayed (a CPU has none), each profiler's whole
+    table kept, and the tables in gpu_check.md."""
+    out = tmp_path / "check"
+    result = gpu_check.main(["--micro", "--parts", "profile", "--out", str(out)])
+    rows = {(r["shape"], r["decode"]): r for r in result["profile"]}
+    assert set(rows) == {(s, d) for s in gpu_check.GENERATION_SHAPES for d in gpu_check.DECODES}
+    for (shape, decode), r in rows.items():
+        assert r["new_tokens"] == 8 and r["unit"] == "operator" and r["graph_replays"] == 0
+        assert 0 < r["top"][0]["ms_per_token"] <= r["busy_ms_per_token"] and r["wall_ms_per_token"] > 0
+        times = [k["ms_per_token"] for k in r["top"]]
+        assert times == sorted(times, reverse=True) and len(times) == 8
+        assert all(k["name"].startswith("aten::") for k in r["top"])
+        assert "aten::" in (out / "profile" / f"{shape}_{decode}.txt").read_text()
+    # every sampling step draws once from the whole vocabulary: one multinomial per new token
+    assert all(any(k["name"] == "aten::exponential_" and k["calls_per_token"] == 1 for k in r["top"])
+               for r in rows.values() if r["decode"] == "fp32")
+    table = (out / "gpu_check.md").read_text()
+    assert "## Where generation's time goes" in table and "| qwen2.5-0.5b | bf16 |" in table
+    assert table in capsys.readouterr().out
+
+
+def test_where_the_time_goes_counts_calls_and_time_per_new_token():
+    """where_the_time_goes over a profile of known work: 6 matrix products and 3 exponentials read as 3 new tokens
+    give 2 and 1 calls per token, and the operators' own times (microseconds) added up, in ms per token."""
+    from torch.profiler import ProfilerActivity, profile
+    a = torch.randn(256, 256)
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        for _ in range(3):
+            torch.mm(a, a), torch.mm(a, a), torch.exp(a)
+    events = profiler.key_averages()
+    seen = gpu_check.where_the_time_goes(events, on_gpu=False, new_tokens=3, top=2)
+    calls = {k["name"]: k["calls_per_token"] for k in seen["top"]}
+    assert calls == {"aten::mm": 2.0, "aten::exp": 1.0}
+    own = {e.key: e.self_cpu_time_total for e in events}
+    assert seen["top"][0]["ms_per_token"] == pytest.approx(own[seen["top"][0]["name"]] / 3 / 1e3)
+    assert seen["busy_ms_per_token"] == pytest.approx(sum(own.values()) / 3 / 1e3)
+    count = {e.key: e.count for e in events}                           # with the mm's own resolve_conj calls
+    assert seen["launches_per_token"] == sum(count.values()) / 3 and seen["graph_replays"] == 0
+
+
+def test_a_kernels_name_is_shortened_to_what_tells_it_apart():
+    name = ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, "
+            "std::array<char*, 3ul> >(int, at::native::CUDAFunctor_add<float>, std::array<char*, 3ul>)")
+    assert gpu_check.short(name).startswith("vectorized_elementwise_kernel<4, CUDAFunctor_add<float>, array<")
+    assert len(gpu_check.short(name)) == 90 and gpu_check.short("a|b`c") == "a/b'c"
 
 
 @pytest.mark.parametrize("number", range(1, len(gpu_check.MEMORY_RUNS) + 1))

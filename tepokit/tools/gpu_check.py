@@ -14,11 +14,16 @@ nothing is downloaded) and prompts of GSM8K's length cut to 256 tokens:
   memory      train_small.py --check-memory-on-device for the recipes of docs/one-gpu.md (GRPO: it trains every
               row): each phase's plan beside torch.cuda.max_memory_allocated, and whether it lies within -5% and
               +25% of it
+  profile     where generation's time goes, per shape and decoding precision: one call of the generation part's
+              under torch.profiler. The GPU's busy time per new token (its kernels' time added up) beside the call's
+              wall time (a busy share far below 1: the GPU waits for the host), the kernels launched per token,
+              whether the decode step was replayed as a CUDA graph, and the kernels that take most of the time
   bench       train_small.py --bench --bench-shape gpt2-small at the same work (16 x 8 x 256), once per
               --bench-decode precision (TRL's generation in the same one): our step, with the sampler's old
               log-probs and recomputing them, against TRL's GRPOTrainer
 
-Writes gpu_check.json (every number) and gpu_check.md (the tables) to --out, and prints the tables. --micro runs
+Writes gpu_check.json (every number) and gpu_check.md (the tables) to --out, and prints the tables; the profiler's
+whole tables go to <out>/profile/. --micro runs
 the same on 2-layer models of width 64 with the real vocabularies, a few tokens and (in generation) 4 prompts x 2
 samples: a check of the command on any machine (the CPU included), not a measurement.
 """
@@ -45,7 +50,7 @@ from tepokit.tools.bench import device_name
 
 PROGRAM = "python -m tepokit.tools.gpu_check"
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "train_small.py")
-PARTS = ("generation", "memory", "bench")
+PARTS = ("generation", "profile", "memory", "bench")
 DECODES = ("fp32", "tf32", "bf16")
 GENERATION_SHAPES = {"gpt2-small": "GPT-2's loop", "qwen2.5-0.5b": "static KV cache"}
 # The recipes of docs/one-gpu.md's memory tables: (name, shape, flags). Each adds COMMON_FLAGS.
@@ -116,7 +121,7 @@ def main(argv=None) -> dict:
     print(f"{PROGRAM}: {result['device']}, torch {torch.__version__}{', --micro (not a measurement)' * args.micro}; "
           f"results in {args.out}", flush=True)
     data = write_long_problems(os.path.join(args.out, "data.jsonl"))
-    shapes = sorted({s for s in GENERATION_SHAPES if "generation" in args.parts}
+    shapes = sorted({s for s in GENERATION_SHAPES if {"generation", "profile"} & set(args.parts)}
                     | {MEMORY_RUNS[int(i) - 1][1] for i in args.memory_runs if "memory" in args.parts})
     models = make_models(shapes, data, args, device)
     lock = threading.Lock()
@@ -128,6 +133,7 @@ def main(argv=None) -> dict:
             write_json(os.path.join(args.out, "gpu_check.json"), result)
 
     for part, measure in (("generation", lambda rows: measure_generation(models, data, args, device, rows, keep)),
+                          ("profile", lambda rows: measure_profile(models, data, args, device, rows, keep)),
                           ("memory", lambda rows: measure_memory(models, data, args, rows, keep)),
                           ("bench", lambda rows: measure_bench(args, rows, keep))):
         if part in args.parts:
@@ -181,12 +187,8 @@ def measure_generation(models: dict, data: str, args, device, rows: list, keep) 
     calls after an untimed one), ms per decode step (the difference a call of half as many new tokens makes, per
     token: the prefill, the capture and the bf16 cast taken out) and the log-prob gap to the trainer's fp32 forward
     over the same tokens; each row kept (keep) into rows."""
-    from tepokit.setup.model import load_policy
     for shape, sampler in GENERATION_SHAPES.items():
-        as_a_run = SimpleNamespace(model=models[shape], trust_remote_code=False, chat_template="off",
-                                   gradient_checkpointing=False)
-        model, tokenizer = load_policy(models[shape], as_a_run, device)       # as a run loads it: fp32, on `device`
-        prompt_ids, prompt_mask = long_prompts(tokenizer, data, args.prompts, args.prompt_tokens, device)   # [U, P]
+        model, prompt_ids, prompt_mask = loaded(models[shape], data, args, device)
 
         def timed(decode: str, new_tokens: int) -> tuple:
             return timed_generation(model, prompt_ids, prompt_mask, args.group, new_tokens, decode)
@@ -203,9 +205,22 @@ def measure_generation(models: dict, data: str, args, device, rows: list, keep) 
             print(f"  generation {shape} {decode}: {rows[-1]['ms_per_token']:.2f} ms per token "
                   f"({rows[-1]['decode_step_ms']:.2f} per decode step), log-prob gap max {gap['token_max']:.2e}",
                   flush=True)
-        model = None                                                      # its memory back before the next shape
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        model = None
+        memory_back(device)
+
+
+def loaded(path: str, data: str, args, device) -> tuple:
+    """(the model at `path` as a run loads it: fp32, on `device`; the prompts [U, P] and their mask)."""
+    from tepokit.setup.model import load_policy
+    as_a_run = SimpleNamespace(model=path, trust_remote_code=False, chat_template="off", gradient_checkpointing=False)
+    model, tokenizer = load_policy(path, as_a_run, device)
+    return model, *long_prompts(tokenizer, data, args.prompts, args.prompt_tokens, device)
+
+
+def memory_back(device) -> None:
+    """The GPU's cached blocks back, once the last reference to a model is gone (before the next shape)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def timed_generation(model, prompt_ids, prompt_mask, group: int, new_tokens: int, decode: str) -> tuple:
@@ -247,6 +262,57 @@ def logprob_gap(model, prompt_ids, prompt_mask, out: dict, rows_per_forward: int
     gap = out["logp"] - trainer                                                                              # [B, T]
     return {"token_max": gap.abs().max().item(), "token_mean": gap.abs().mean().item(),
             "sequence_mean_max": gap.mean(1).abs().max().item()}
+
+
+def measure_profile(models: dict, data: str, args, device, rows: list, keep) -> None:
+    """Per shape and decoding precision: one generation call as the generation part times it (after an untimed
+    one), then the same call under torch.profiler. On a GPU: its kernels' time added up per new token (busy), beside
+    the timed call's wall time per token, the kernels launched per token, whether the decode step was replayed as a
+    CUDA graph (the host's cudaGraphLaunch calls), and the kernels that take most of the time. On a CPU the same of
+    torch's operators (a check of the command). Each profiler's whole table in <out>/profile/<shape>_<decode>.txt;
+    each row kept (keep) into rows."""
+    from torch.profiler import ProfilerActivity, profile
+    os.makedirs(os.path.join(args.out, "profile"), exist_ok=True)
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * on_gpu
+    for shape, sampler in GENERATION_SHAPES.items():
+        model, prompt_ids, prompt_mask = loaded(models[shape], data, args, device)
+        for decode in DECODES:
+            timed_generation(model, prompt_ids, prompt_mask, args.group, args.new_tokens, decode)      # untimed
+            wall, out = timed_generation(model, prompt_ids, prompt_mask, args.group, args.new_tokens, decode)
+            with profile(activities=activities) as profiler:
+                timed_generation(model, prompt_ids, prompt_mask, args.group, args.new_tokens, decode)
+            events = profiler.key_averages()
+            with open(os.path.join(args.out, "profile", f"{shape}_{decode}.txt"), "w") as f:
+                f.write(events.table(sort_by="self_device_time_total" if on_gpu else "self_cpu_time_total",
+                                     row_limit=60, max_name_column_width=100))
+            keep(rows, {"shape": shape, "sampler": sampler, "decode": decode, "new_tokens": out["logp"].shape[1],
+                        "wall_ms_per_token": 1e3 * wall / out["logp"].shape[1],
+                        **where_the_time_goes(events, on_gpu, out["logp"].shape[1])})
+            r = rows[-1]
+            print(f"  profile {shape} {decode}: busy {r['busy_ms_per_token']:.2f} of {r['wall_ms_per_token']:.2f} ms "
+                  f"per token, {r['launches_per_token']:.0f} {r['unit']}s per token", flush=True)
+        model = None
+        memory_back(device)
+
+
+def where_the_time_goes(events, on_gpu: bool, new_tokens: int, top: int = 8) -> dict:
+    """From the profiler's key_averages: the time of the GPU's kernels (on a CPU, torch's operators' own time)
+    added up per new token, their launches per token, whether the host replayed CUDA graphs, and the `top` kernels
+    (operators) by time: name, ms and calls per token."""
+    from torch.autograd import DeviceType
+    if on_gpu:
+        timed = [(e.key, e.self_device_time_total, e.count) for e in events if e.device_type == DeviceType.CUDA]
+    else:
+        timed = [(e.key, e.self_cpu_time_total, e.count) for e in events if e.key.startswith("aten::")]
+    timed.sort(key=lambda kernel: -kernel[1])
+    per_token = 1e-3 / new_tokens                                                # microseconds -> ms per token
+    return {"unit": "kernel" if on_gpu else "operator",
+            "busy_ms_per_token": sum(t for _, t, _ in timed) * per_token,
+            "launches_per_token": sum(n for _, _, n in timed) / new_tokens,
+            "graph_replays": sum(e.count for e in events if e.key == "cudaGraphLaunch"),
+            "top": [{"name": name, "ms_per_token": t * per_token, "calls_per_token": n / new_tokens}
+                    for name, t, n in timed[:top]]}
 
 
 def measure_memory(models: dict, data: str, args, rows: list, keep) -> None:
@@ -330,6 +396,8 @@ def report(result: dict) -> str:
                   f"{r['decode_step_ms']:.2f} | {r['token_max']:.2e} | {r['token_mean']:.2e} | "
                   f"{r['sequence_mean_max']:.2e} |" for r in result["generation"]]
         lines.append("")
+    if "profile" in result:
+        lines += profile_tables(result["profile"])
     if "memory" in result:
         measure = ("resident memory (on a CPU it keeps freed blocks: a check of the command, not of the plan)"
                    if result["device"].startswith("CPU") else "torch.cuda.max_memory_allocated")
@@ -361,6 +429,32 @@ def report(result: dict) -> str:
                          f"({ratio['min']:.2f}-{ratio['max']:.2f}) | {again['median']:.2f}x |")
         lines.append("")
     return "\n".join(lines)
+
+
+def profile_tables(rows: list) -> list:
+    """The profile part's tables: where each call's time goes, then each call's largest kernels (operators)."""
+    unit = rows[0]["unit"]
+    lines = ["## Where generation's time goes (torch.profiler over one call of the generation part's)", "",
+             f"| shape | decoding | ms per token | {unit}s' time, ms per token | busy share | {unit}s per token | "
+             "CUDA graph replays |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['shape']} | {r['decode']} | {r['wall_ms_per_token']:.2f} | {r['busy_ms_per_token']:.2f} | "
+              f"{r['busy_ms_per_token'] / r['wall_ms_per_token']:.2f} | {r['launches_per_token']:.0f} | "
+              f"{r['graph_replays']} |" for r in rows]
+    lines += ["", f"The largest {unit}s, ms per new token (calls per new token):", "",
+              f"| shape | decoding | the largest {unit}s |", "|---|---|---|"]
+    lines += [f"| {r['shape']} | {r['decode']} | "
+              + "; ".join(f"`{short(k['name'])}` {k['ms_per_token']:.3f} ({k['calls_per_token']:.1f})"
+                          for k in r["top"]) + " |" for r in rows]
+    return lines + [""]
+
+
+def short(name: str, width: int = 90) -> str:
+    """A kernel's name for a table cell: without its return type and torch's namespaces, at most `width` long (an
+    elementwise kernel's template arguments say which operation it is)."""
+    for noise in ("void ", "at::native::", "(anonymous namespace)::", "at::", "std::"):
+        name = name.replace(noise, "")
+    name = name.replace("|", "/").replace("`", "'")
+    return name if len(name) <= width else name[:width - 3] + "..."
 
 
 def failed(label: str, returncode: int, columns: int) -> str:
