@@ -2,6 +2,7 @@
 import json
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -173,14 +174,33 @@ def test_where_the_step_goes_names_the_device_and_its_rate_in_the_runs_dtype(cap
     assert bench.device_name(torch.device("cpu")).startswith("CPU ")
 
 
+def test_the_result_splits_each_sides_step_into_its_generation_and_the_rest(capsys):
+    """print_result: the medians of each side's step and of its generation, and their ratios (TRL's over ours)."""
+    result = {"ours": [{"step_time": 4.0, "timing/generate": 2.0}, {"step_time": 5.0, "timing/generate": 3.0},
+                       {"step_time": 3.0, "timing/generate": 1.0}],
+              "ours_recomputed": [{"step_time": 4.5}] * 3,
+              "trl": [{"step_time": 10.0, "timing/generate": 7.0}] * 3,
+              "ratio": bench.ratio_summary([10.0] * 3, [4.0, 5.0, 3.0]),
+              "ratio_recomputed": bench.ratio_summary([10.0] * 3, [4.5] * 3)}
+    bench.print_result(result, "tf32")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "our step is 2.50x the speed of TRL's (median of 3 repeats; range 2.00x to 3.33x)"
+    assert lines[1] == ("generation: ours 2.000 s, TRL's 7.000 s (3.50x); the rest of the step: ours 2.000 s, "
+                        "TRL's 3.000 s (1.50x)")
+    assert lines[2].startswith("recomputing the old log-probs (--recompute-old-logprobs, the default in bf16 and "
+                               "TF32) costs 0.500 s a step (+12%): 2.22x TRL's")
+
+
 def test_trls_generation_decodes_in_our_runs_decoding_precision(tmp_path, monkeypatch):
     """The same work on both sides: with --decode-precision bf16, TRL's GRPOTrainer generates over bf16 weights
-    (ours does, tepokit/core/sampling.py's decoding) and trains over its fp32 ones again afterwards."""
+    (ours does, tepokit/core/sampling.py's decoding) and trains over its fp32 ones again afterwards. Its generation
+    is timed: made 0.25 s slower, the timed rollout's generation takes at least that, and less than its step."""
     from trl import GRPOTrainer
     seen, trained, generate, compute_loss = [], [], GRPOTrainer._generate_single_turn, GRPOTrainer.compute_loss
 
     def recording(self, *args, **kwargs):
         seen.append({p.dtype for p in self.model.parameters()})
+        time.sleep(0.25)
         return generate(self, *args, **kwargs)
 
     def training(self, *args, **kwargs):
@@ -193,3 +213,4 @@ def test_trls_generation_decodes_in_our_runs_decoding_precision(tmp_path, monkey
     timed = bench.bench_trl(args, cfg, str(tmp_path / "trl"), "bf16")
     assert seen and all(dtypes == {torch.bfloat16} for dtypes in seen) and timed["step_time"] > 0
     assert trained and all(dtypes == {torch.float32} for dtypes in trained)
+    assert 0.25 <= timed["timing/generate"] < timed["step_time"]

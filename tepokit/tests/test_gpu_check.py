@@ -81,6 +81,22 @@ def test_a_kernels_name_is_shortened_to_what_tells_it_apart():
     assert len(gpu_check.short(name)) == 90 and gpu_check.short("a|b`c") == "a/b'c"
 
 
+def test_the_bench_table_gives_each_decodings_ratio_and_where_each_side_spends_its_step():
+    """The bench part's row as report() writes it: each side's seconds per step, the ratios, and each side's median
+    step split into its generation and the rest; a failed bench a row of its own."""
+    row = {"decode": "tf32", "returncode": 0, "ratio": {"median": 2.5, "min": 2.0, "max": 3.33},
+           "ratio_recomputed": {"median": 2.22}, "ours_seconds": [4.0, 5.0, 3.0], "trl_seconds": [10.0, 10.0, 10.0],
+           "generate_seconds": {"ours": [2.0, 3.0, 1.0], "trl": [7.0, 6.0, 8.0]}}
+    table = gpu_check.report({"device": "NVIDIA H100 80GB HBM3", "torch": "2.11", "started_at": "a", "finished_at": "b",
+                              "micro": False, "code": {"commit": "c", "uncommitted_changes": False},
+                              "bench": [row, {"decode": "bf16", "returncode": 1}]})
+    lines = table.splitlines()
+    assert ("| tf32 | 4.000, 5.000, 3.000 | 10.000, 10.000, 10.000 | 2.50x (2.00-3.33) | 2.22x | 2.000, 7.000 s | "
+            "2.000, 3.000 s |") in lines
+    failed = next(line for line in lines if line.startswith("| bf16 |"))
+    assert failed.count("|") == lines[lines.index(failed) - 2].count("|") and "failed (exit 1)" in failed
+
+
 @pytest.mark.parametrize("number", range(1, len(gpu_check.MEMORY_RUNS) + 1))
 def test_each_memory_run_is_a_valid_train_small_command(number, tmp_path):
     """What measure_memory runs, as train_small.py parses and validates it (a refused run would exit 2)."""

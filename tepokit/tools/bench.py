@@ -123,6 +123,11 @@ def print_result(result: dict, decode: str) -> None:
     again = median([o["step_time"] for o in result["ours_recomputed"]])
     print(f"our step is {ratio['median']:.2f}x the speed of TRL's (median of {len(ratio['per_repeat'])} repeats; "
           f"range {ratio['min']:.2f}x to {ratio['max']:.2f}x)")
+    generate = {side: median([r["timing/generate"] for r in result[side]]) for side in ("ours", "trl")}
+    trl = median([t["step_time"] for t in result["trl"]])
+    print(f"generation: ours {generate['ours']:.3f} s, TRL's {generate['trl']:.3f} s "
+          f"({generate['trl'] / generate['ours']:.2f}x); the rest of the step: ours {ours - generate['ours']:.3f} s, "
+          f"TRL's {trl - generate['trl']:.3f} s ({(trl - generate['trl']) / (ours - generate['ours']):.2f}x)")
     print(f"recomputing the old log-probs (--recompute-old-logprobs, the default in bf16 and TF32) costs "
           f"{again - ours:.3f} s a step ({100 * (again / ours - 1):+.0f}%): {recomputed['median']:.2f}x TRL's (range "
           f"{recomputed['min']:.2f}x to {recomputed['max']:.2f}x), the passes TRL makes")
@@ -269,9 +274,9 @@ def bench_trl_config(args, cfg: tepo.ObjectiveConfig, out: str) -> dict:
 
 
 def bench_trl(args, cfg: tepo.ObjectiveConfig, out: str, decode: str = "fp32") -> dict:
-    """TRL's GRPOTrainer on the bench's work (bench_trl_config), seconds per rollout over the timed ones, its
-    generation in our run's decoding precision (decode: tepokit/core/sampling.py, decoding). Its console lines go
-    to <out>.log."""
+    """TRL's GRPOTrainer on the bench's work (bench_trl_config): seconds per rollout over the timed ones, and of
+    them its generation's (timing/generate, as ours is named), in our run's decoding precision (decode:
+    tepokit/core/sampling.py, decoding). Its console lines go to <out>.log."""
     import datasets
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -283,10 +288,17 @@ def bench_trl(args, cfg: tepo.ObjectiveConfig, out: str, decode: str = "fp32") -
     def reward_fn(prompts, completions, **kw):
         return [float(parse_strict(c) == golds.get(p)) for p, c in zip(prompts, completions)]
 
+    generations = []                                               # (start, seconds) of each generation call
+
     class DecodingGRPOTrainer(GRPOTrainer):
-        def _generate_single_turn(self, *args, **kwargs):          # TRL's generation, as ours decodes
+        def _generate_single_turn(self, *args, **kwargs):          # TRL's generation, as ours decodes, timed
+            wait_for_the_gpu()
+            t0 = time.time()
             with decoding(self.model, decode):
-                return super()._generate_single_turn(*args, **kwargs)
+                generated = super()._generate_single_turn(*args, **kwargs)
+            wait_for_the_gpu()
+            generations.append((t0, time.time() - t0))
+            return generated
 
     class Clock(TrainerCallback):
         def __init__(self):
@@ -309,8 +321,10 @@ def bench_trl(args, cfg: tepo.ObjectiveConfig, out: str, decode: str = "fp32") -
     per_rollout = [ends[i + optimizer_steps] - ends[i]             # the first rollout (untimed) is skipped
                    for i in range(optimizer_steps, len(ends) - optimizer_steps, optimizer_steps)]
     step = sum(per_rollout) / max(1, len(per_rollout))
+    timed = sum(seconds for start, seconds in generations if start >= ends[optimizer_steps])   # the timed rollouts'
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
-    return {"step_time": step, "perf/tokens_per_second": rollout * lengths[-1] / step}
+    return {"step_time": step, "timing/generate": timed / max(1, len(per_rollout)),
+            "perf/tokens_per_second": rollout * lengths[-1] / step}
 
 
 def input_check_cost(args, obj_overrides: dict, repeats: int = 30) -> dict:

@@ -39,6 +39,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from statistics import median
 from types import SimpleNamespace
 
 import torch
@@ -84,7 +85,7 @@ def parse(argv=None):
                         "comma-separated, or all")
     parser.add_argument("--jobs", type=int, default=1, help="memory runs at once (each measures its own process's "
                         "peak, so running several changes no number but their times)")
-    parser.add_argument("--bench-decode", default="fp32,tf32", help=f"the bench's --decode-precision, once each, "
+    parser.add_argument("--bench-decode", default=",".join(DECODES), help=f"the bench's --decode-precision, once each, "
                         f"comma-separated, of {', '.join(DECODES)}")
     parser.add_argument("--micro", action="store_true", help="2-layer models of width 64 and a few tokens: a check "
                         "of the command, not a measurement")
@@ -372,7 +373,8 @@ def measure_bench(args, rows: list, keep) -> None:
                        ours_seconds=[o["step_time"] for o in bench["ours"]],
                        trl_seconds=[t["step_time"] for t in bench["trl"]],
                        ours_phases={k: sum(o[k] for o in bench["ours"]) / len(bench["ours"])
-                                    for k in bench["ours"][0] if k.startswith("timing/")})
+                                    for k in bench["ours"][0] if k.startswith("timing/")},
+                       generate_seconds={side: [r["timing/generate"] for r in bench[side]] for side in ("ours", "trl")})
         print(f"  bench, {decode} decoding: "
               f"{'%.2fx TRL' % row['ratio']['median'] if done.returncode == 0 else 'FAILED, see ' + out + '.log'}",
               flush=True)
@@ -418,15 +420,19 @@ def report(result: dict) -> str:
     if "bench" in result:
         lines += ["## --bench: our step against TRL's GRPOTrainer (GPT-2 small shape, 16 x 8 x 256)", "",
                   "| decoding | ours (the sampler's old log-probs), s per step | TRL, s per step | TRL / ours (median, "
-                  "range) | TRL / ours recomputing the old log-probs |", "|---|---|---|---|---|"]
+                  "range) | TRL / ours recomputing the old log-probs | of the step, generation: ours, TRL | the rest: "
+                  "ours, TRL |", "|---|---|---|---|---|---|---|"]
         for r in result["bench"]:
             if r["returncode"] != 0:
-                lines.append(failed(r["decode"], r["returncode"], columns=5))
+                lines.append(failed(r["decode"], r["returncode"], columns=7))
                 continue
             ratio, again = r["ratio"], r["ratio_recomputed"]
+            ours, trl = (median(r[f"{side}_seconds"]) for side in ("ours", "trl"))
+            ours_gen, trl_gen = (median(r["generate_seconds"][side]) for side in ("ours", "trl"))
             lines.append(f"| {r['decode']} | {', '.join('%.3f' % s for s in r['ours_seconds'])} | "
                          f"{', '.join('%.3f' % s for s in r['trl_seconds'])} | {ratio['median']:.2f}x "
-                         f"({ratio['min']:.2f}-{ratio['max']:.2f}) | {again['median']:.2f}x |")
+                         f"({ratio['min']:.2f}-{ratio['max']:.2f}) | {again['median']:.2f}x | {ours_gen:.3f}, "
+                         f"{trl_gen:.3f} s | {ours - ours_gen:.3f}, {trl - trl_gen:.3f} s |")
         lines.append("")
     return "\n".join(lines)
 
