@@ -9,7 +9,8 @@
 
 Reading a run directory, series(), smooth(), smoothed_band() and the PNG writing are tepokit.tools.plot's (the ones
 `python -m tepokit.tools.plot RUN_DIR` draws with); log reading and the statistics are the project's own:
-tepokit.plumbing.rundir.read_log() and tepokit.diagnostics.stats's pearson() and t_interval(), the ones train_small.py and --compare use.
+tepokit.plumbing.rundir.read_log() and tepokit.diagnostics.stats's pearson() and t_interval(), the ones train_small.py
+and --compare use.
 """
 from __future__ import annotations
 
@@ -243,8 +244,8 @@ def with_interval(estimate: float, se: float, scale: float = 1.0, digits: int = 
 def paired_over_seeds(runs: dict[int, dict], base: dict[int, dict], value) -> dict:
     """Paired by seed: value(run) - value(baseline run) on every seed both have (runs that share a seed share the
     task, the warm-up model and the prompt order), then their mean with a 95% t interval over the seeds
-    (tepokit.diagnostics.stats.t_interval, the one --compare uses). A value of None (e.g. a target never reached) drops that
-    seed. Returns t_interval's dict plus `per_seed` and `seeds`."""
+    (tepokit.diagnostics.stats.t_interval, the one --compare uses). A value of None (e.g. a target never reached)
+    drops that seed. Returns t_interval's dict plus `per_seed` and `seeds`."""
     seeds = [s for s in sorted(set(runs) & set(base))
              if value(runs[s]) is not None and value(base[s]) is not None]
     differences = [value(runs[s]) - value(base[s]) for s in seeds]

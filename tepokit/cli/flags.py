@@ -158,8 +158,8 @@ DEMO_HIDDEN_TYPE = {"steps": 60, "eval_every": 30, "lr_warmup_steps": 5}
 
 
 # --bench --bench-shape gpt2-small: the shape of a one-GPU user's model (GPT-2 small, random weights, built by
-# tepokit/tools/bench.py) on a rollout that fits this CPU: 2 prompts x 8 samples, 128 new tokens, one timed step a repeat,
-# and 16 held-out problems for the untimed evaluation at step 0 (the model is random: nothing to measure).
+# tepokit/tools/bench.py) on a rollout that fits this CPU: 2 prompts x 8 samples, 128 new tokens, one timed step a
+# repeat, and 16 held-out problems for the untimed evaluation at step 0 (the model is random: nothing to measure).
 BENCH_SHAPES = {"builtin": {}, "gpt2-small": {"prompts_per_step": 2, "group_size": 8, "max_new_tokens": 128,
                                               "bench_steps": 1, "n_test": 16}}
 

@@ -22,9 +22,9 @@ checks it to 1e-9 in float64; Clip-Cov's random draw is the measurement's own, s
 where the two draws agree). g_off is the same with the mechanism switched off (`mechanisms` says how), everything
 else equal: a counterfactual of one real optimizer step. Which one is logged as effect/optimizer_step (1-based) of
 effect/optimizer_steps: the last, the one after the most updates of the step (the first is on-policy: ratio 1);
-the earlier ones are not measured. It costs a copy of the parameters (kept by the update's taps, tepokit/core/taps.py), one forward
-over those rows and one backward for the objective and for each mechanism that changed some token's gradient,
-after the step.
+the earlier ones are not measured. It costs a copy of the parameters (kept by the update's taps,
+tepokit/core/taps.py), one forward over those rows and one backward for the objective and for each mechanism that
+changed some token's gradient, after the step.
 
 The update never knows it was measured: the copy is taken before its optimizer step and the measurement runs
 after the RL step, with the parameters set to the copy for its duration (parameters_set_to), takes its gradients

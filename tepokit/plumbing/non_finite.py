@@ -20,8 +20,8 @@ NON_FINITE_ERRORS = ("non-finite values where mask is 1", "probability tensor co
 
 
 class Diverged(Exception):
-    """A run stopped at a step that diverged. As tepokit.plumbing.signals.Stopped, it has a name, a message (what was kept
-    and what to try) and an exit status, which train_small.py prints and exits with alike."""
+    """A run stopped at a step that diverged. As tepokit.plumbing.signals.Stopped, it has a name, a message (what was
+    kept and what to try) and an exit status, which train_small.py prints and exits with alike."""
     name = "diverged"
     exit_status = 3
 

@@ -251,7 +251,8 @@ def test_help_shows_the_examples_and_the_common_flags_first(monkeypatch):
     titles = [line[:-1] for line in lines if re.fullmatch(r"[a-z][a-z ]*:", line)]
     assert titles == ["examples", "common flags", "task and model", "objective", "run control", "experiments"]
     for name in tepokit.cli.helptext.COMMON_FLAGS:
-        row = next(i for i, line in enumerate(lines) if re.match(rf"  {tepokit.cli.validation.flag(name)}( |,|$)", line))
+        flag = tepokit.cli.validation.flag(name)
+        row = next(i for i, line in enumerate(lines) if re.match(rf"  {flag}( |,|$)", line))
         assert row < 45, (name, row)
     assert max(len(line) for line in lines[:lines.index("common flags:")]) <= 100     # the examples fit
 

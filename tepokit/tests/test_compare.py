@@ -87,8 +87,8 @@ def test_compare_entries_carry_their_own_objective_settings(workdir):
     assert plain["objective_config"]["beta"] == tepo.PAPER_DEFAULTS["tepo"].beta
     result = json.load(open("runs/cmp_variants/summary.json"))
     assert set(result["paired"]) == {"tepo:beta=0:entropy_criterion=measured"}
-    assert tepokit.cli.validation.variant("dapo:dynamic_sampling=off:eps_high=0.3") == ("dapo", {"dynamic_sampling": False,
-                                                                              "eps_high": 0.3})
+    assert tepokit.cli.validation.variant("dapo:dynamic_sampling=off:eps_high=0.3") == (
+        "dapo", {"dynamic_sampling": False, "eps_high": 0.3})
     for bad in ("tepo:bta=0", "tepo:beta=-1", "tepo:beta", "tepx", "grpo,grpo"):
         with pytest.raises(SystemExit) as e:
             parse_args(ts.Args, ["--compare", bad])

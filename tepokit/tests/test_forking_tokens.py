@@ -1,12 +1,13 @@
-"""tepokit/diagnostics/forking_tokens.py and the hidden-type task: decision tokens, strategies, per-type results, the task's make-up."""
+"""tepokit/diagnostics/forking_tokens.py and the hidden-type task: decision tokens, strategies, per-type results, the
+task's make-up."""
 import math
 
 import pytest
 import torch
 
 import tepo
-from tepokit.diagnostics.forking_tokens import (decision_mask, eval_by_type, rollout_fork_metrics, solved_by_either, strategy_of,
-                           top_entropy_mean, valid_format)
+from tepokit.diagnostics.forking_tokens import (decision_mask, eval_by_type, rollout_fork_metrics, solved_by_either,
+                                                strategy_of, top_entropy_mean, valid_format)
 from tepokit.diagnostics.stats import pass_at_k
 from tepokit.setup.task import CUE_ITEMS, hidden_type_task_size, make_hidden_type_task
 from tepokit.core.reward import gold_answer, parse_strict

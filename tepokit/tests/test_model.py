@@ -20,7 +20,9 @@ import train_small as ts
 from tepokit.setup import model as model_module
 from tepokit.cli.flags import parse_args
 from tepokit.core.forward import completion_logits
-from tepokit.setup.model import START_MODEL_DIR, WARMUP_FILES, build_char_tokenizer, build_tiny_model, builtin_tokenizer, committed_start_model, is_complete_warmup, load_policy, prepare_start_model, sft_batch, warmup_cache_dir
+from tepokit.setup.model import (START_MODEL_DIR, WARMUP_FILES, build_char_tokenizer, build_tiny_model,
+                                  builtin_tokenizer, committed_start_model, is_complete_warmup, load_policy,
+                                  prepare_start_model, sft_batch, warmup_cache_dir)
 from tepokit.core.forward import eos_ids_of
 from tepokit.plumbing.rundir import lock_file
 from tepokit.setup.task import load_task

@@ -1,4 +1,5 @@
-"""tepokit/tools/plot.py: `python -m tepokit.tools.plot RUN_DIR`, the standard figures of a run, and its one-line refusals."""
+"""tepokit/tools/plot.py: `python -m tepokit.tools.plot RUN_DIR`, the standard figures of a run, and its one-line
+refusals."""
 import contextlib
 import io
 import json
@@ -100,8 +101,8 @@ def test_the_module_runs_from_the_command_line():
     done = subprocess.run([sys.executable, "-m", "tepokit.tools.plot", "no/such/run"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr == ("python -m tepokit.tools.plot: error: no/such/run is not a run directory of train_small.py (it "
-                           "has no metrics.jsonl); give a run's --out\n")
+    assert done.stderr == ("python -m tepokit.tools.plot: error: no/such/run is not a run directory of train_small.py "
+                           "(it has no metrics.jsonl); give a run's --out\n")
 
 
 # ---- the figures' content, on small synthetic run directories ----------------------------------------------
@@ -233,8 +234,9 @@ def test_the_reward_line_is_drawn_only_where_it_can_be_seen(tmp_path, close_figu
 @pytest.mark.parametrize("steps, checked", [(40, 10), (12, 3)])
 def test_the_entropy_change_figure_has_a_colour_bar_and_states_r_or_too_few_steps(tmp_path, close_figures, steps,
                                                                                     checked):
-    """r of predicted vs measured change is tepokit.diagnostics.stats.pearson over the checked steps (every 4th here), or
-    'too few steps' below MIN_STEPS_FOR_R of them; the colour of the points is explained by a bar 'RL step'."""
+    """r of predicted vs measured change is tepokit.diagnostics.stats.pearson over the checked steps (every 4th
+    here), or 'too few steps' below MIN_STEPS_FOR_R of them; the colour of the points is explained by a bar 'RL
+    step'."""
     from tepokit.diagnostics.stats import MIN_STEPS_FOR_R, pearson
     run_dir = synthetic_run(tmp_path / "run", steps=steps)
     run = plot.read_run(run_dir)

@@ -13,10 +13,11 @@ import train_small as ts
 from tepokit.core import generate, shared_prefix
 from tepokit.core.sampling import static_generation
 from tepokit.core.forward import completion_logits
-from tepokit.setup.model import (START_MODEL_DIR, build_char_tokenizer, build_tiny_model, load_policy, tiny_model_config,
-                           use_fused_gelu)
+from tepokit.setup.model import (START_MODEL_DIR, build_char_tokenizer, build_tiny_model, load_policy,
+                                  tiny_model_config, use_fused_gelu)
 from tepokit.core.sampling import uses_loop
-from tepokit.core.step_settings import STACKED_LOGITS_MAX_BYTES, recompute_old_logprobs, sampler_logprobs_wanted, stacked_logits_bytes
+from tepokit.core.step_settings import (STACKED_LOGITS_MAX_BYTES, recompute_old_logprobs, sampler_logprobs_wanted,
+                                        stacked_logits_bytes)
 from tepokit.core.generate import sample_generate
 from tepokit.core.shared_prefix import sample_gpt2
 from tepokit.core.step_settings import step_settings

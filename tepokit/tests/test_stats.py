@@ -1,11 +1,12 @@
-"""tepokit/diagnostics/stats.py: t quantiles and intervals, pass@k, the accuracy AUC, against independent computations."""
+"""tepokit/diagnostics/stats.py: t quantiles and intervals, pass@k, the accuracy AUC, against independent
+computations."""
 import math
 
 import pytest
 import torch
 
-from tepokit.diagnostics.stats import (MIN_STEPS_FOR_R, accuracy_auc, pass_at_k, pass_k_values, pearson, student_t_central,
-                           t_interval, t_quantile_975)
+from tepokit.diagnostics.stats import (MIN_STEPS_FOR_R, accuracy_auc, pass_at_k, pass_k_values, pearson,
+                                       student_t_central, t_interval, t_quantile_975)
 from tepokit.tests.helpers import brute_force_pass_at_k
 
 

@@ -91,7 +91,8 @@ def outcome_rows(logs: str) -> list[str]:
                    for p in runs.values())
         shares = counts["final_shares"]
         lines.append(f"| {label} | {', '.join(map(str, runs))} | {counts['learned']} of {counts['n']} | "
-                     f"{min(pass1):.3f}-{max(pass1):.3f} | {min(shares):.2f}-{max(shares):.2f} | {rose} of {len(runs)} |")
+                     f"{min(pass1):.3f}-{max(pass1):.3f} | {min(shares):.2f}-{max(shares):.2f} | "
+                     f"{rose} of {len(runs)} |")
     return lines
 
 
@@ -156,7 +157,8 @@ def band_table(logs: str, arm: str, first: int, last: int) -> list[str]:
 
 
 KEY_KINDS = {("add", "add", "pos"): "rewarded +, adding items", ("add", "mul", "neg"): "failed *, adding items",
-             ("mul", "mul", "pos"): "rewarded *, multiplying items", ("mul", "add", "neg"): "failed +, multiplying items"}
+             ("mul", "mul", "pos"): "rewarded *, multiplying items",
+             ("mul", "add", "neg"): "failed +, multiplying items"}
 
 
 def band_windows(logs: str, arm: str, window: int = 50, last: int = 400) -> list[str]:
