@@ -5,7 +5,8 @@ that something is wrong. Every --log-completions-every steps, and at step 1 (so 
 the loop appends to completions.jsonl one row for each of the step's first PROMPTS_LOGGED prompts (completion_rows):
 the prompt as the model saw it, the gold answer, the G rewards of its group, and its first COMPLETIONS_LOGGED
 completions, each with its text, its rewards by name and their total, its advantage, its length and whether it was
-cut. show_completions prints a few of them in the summary that ends a run.
+cut. show_completions prints a few of them in the summary that ends a run. --engine trl writes the same rows from
+TRL's rollout (tepokit/tools/tepo_trl.py, TepoGRPOTrainer; rows_of builds them for both).
 
 Two failures leave the loss near 0 and the metrics calm while nothing is learned (the questions "my loss is 0" and
 "the quickstart truncated most completions"): most completions cut at --max-new-tokens, where a completion has no
@@ -43,27 +44,32 @@ def completion_rows(run, step: int, record) -> list[dict]:
     args, batch, G = run.args, record.batch, run.args.group_size
     if not logs_completions(step, args.log_completions_every):
         return []
-    rewards = record.scored["rewards"]                 # the total: what the advantages were computed from
-    parts = record.scored.get("parts", {})             # each reward of --reward, unweighted
-    lengths = batch.completion_mask.sum(1)             # tokens, the end token included (completions/mean_length)
-    rows = []
+    rewards = record.scored["rewards"].tolist()        # the total: what the advantages were computed from
+    parts = {name: values.tolist() for name, values in record.scored.get("parts", {}).items()}   # --reward's
+    tokens = batch.completion_mask.sum(1).tolist()     # tokens, the end token included (completions/mean_length)
+    prompts = []
     for p in range(min(PROMPTS_LOGGED, len(record.problems))):
-        first = p * G                                  # a group's G rows are contiguous
-        prompt_ids = batch.prompt_ids[first][batch.prompt_mask[first].bool()]     # without the left padding
-        rows.append({
-            "step": step,
-            # the tokens decoded as they were: a chat template's special tokens stay visible
-            "prompt": run.tokenizer.decode(prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False),
-            "gold": str(gold_answer(record.problems[p]["answer"])),
-            "group_rewards": rewards[first:first + G].tolist(),
-            "completions": [{"text": record.texts[i],
-                             "reward": rewards[i].item(),
-                             "rewards": {name: values[i].item() for name, values in parts.items()},
-                             "advantage": record.adv[i].item(),
-                             "tokens": int(lengths[i]),
-                             "cut": bool(batch.truncated[i])}
-                            for i in range(first, first + min(G, COMPLETIONS_LOGGED))]})
-    return rows
+        prompt_ids = batch.prompt_ids[p * G][batch.prompt_mask[p * G].bool()]   # without the left padding
+        # the tokens decoded as they were: a chat template's special tokens stay visible
+        prompts.append(run.tokenizer.decode(prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+    golds = [str(gold_answer(record.problems[p]["answer"])) for p in range(len(prompts))]
+    return rows_of(step, prompts, golds, G, record.texts, rewards, parts, record.adv.tolist(), tokens,
+                   batch.truncated.tolist())
+
+
+def rows_of(step: int, prompts: list, golds: list, G: int, texts: list, rewards: list, parts: dict, advantages: list,
+            tokens: list, cut: list) -> list[dict]:
+    """completions.jsonl's rows, one per prompt of `prompts` (each with its gold answer): the G rewards of its group
+    and its first COMPLETIONS_LOGGED completions. The other arguments are lists over the rollout's rows, a group's G
+    rows contiguous: texts, rewards (the total), parts ({name: list}: each reward, unweighted), advantages, tokens
+    (the end token included) and whether each was cut at --max-new-tokens."""
+    return [{"step": step, "prompt": prompt, "gold": gold,
+             "group_rewards": [float(r) for r in rewards[p * G:(p + 1) * G]],
+             "completions": [{"text": texts[i], "reward": float(rewards[i]),
+                              "rewards": {name: float(values[i]) for name, values in parts.items()},
+                              "advantage": float(advantages[i]), "tokens": int(tokens[i]), "cut": bool(cut[i])}
+                             for i in range(p * G, p * G + min(G, COMPLETIONS_LOGGED))]}
+            for p, (prompt, gold) in enumerate(zip(prompts, golds))]
 
 
 def truncation_warning(step: int, row: dict, args) -> str:

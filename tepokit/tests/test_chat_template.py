@@ -135,9 +135,12 @@ def test_trl_gets_conversations_with_a_template_and_reads_the_assistants_reply(c
     off = ts.Args(model=chat_dir, chat_template="off")
     assert trl_prompts(QUESTIONS, chat_dir, off) == [format_prompt(q) for q in QUESTIONS]
     (reward,) = task_rewards(args, tepo.config_for("grpo"))
-    logged = {}
+    logged, columns = {}, {}
     replies = [[{"role": "assistant", "content": "7\n#### 7"}], [{"role": "assistant", "content": "#### 8"}], "7"]
     got = reward(prompts=None, completions=replies, gold=["7", "7", "7"],
-                 log_metric=lambda name, value: logged.__setitem__(name, value))
+                 log_metric=lambda name, value: logged.__setitem__(name, value),
+                 log_extra=lambda name, values: columns.__setitem__(name, values))
     assert got == [1.5, 0.5, 0.0]
     assert logged["rewards/format/mean"] == pytest.approx(2 / 3) and logged["accuracy/strict"] == pytest.approx(1 / 3)
+    # completions.jsonl's columns: the gold answers and each reward by name, per completion
+    assert columns == {"gold": ["7", "7", "7"], "rewards/strict": [1.0, 0.0, 0.0], "rewards/format": [1.0, 1.0, 0.0]}

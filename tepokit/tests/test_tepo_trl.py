@@ -158,6 +158,38 @@ def test_trl_engine_two_steps(case, trl_model):
     assert os.path.exists(os.path.join(out, "policy", "config.json"))
 
 
+def test_trl_engine_writes_completions_jsonl_as_the_loop_does(trl_model):
+    """--engine trl's completions.jsonl: the rows of train_small.py's loop (tepokit/diagnostics/completions.py) on
+    each logged step, from TRL's rollout. Each completion's rewards by name are the reward functions' on its text,
+    its reward their weighted sum plus DAPO's length cost over its tokens, its group's rewards include it, the
+    group's advantages are centred on its mean reward, and a cut completion counts --max-new-tokens tokens (its
+    mask is 0 with --mask-truncated, so its length is read from the cut itself)."""
+    from decimal import Decimal
+    from tepokit.core.reward import weighted_rewards
+    from tepokit.diagnostics.completions import COMPLETIONS_LOGGED, PROMPTS_LOGGED
+    out = "runs/trl_completions"
+    run_main([*MICRO, "--engine", "trl", "--objective", "dapo", "--steps", "2", "--log-completions-every", "1",
+              "--reward", "lenient,format:0.5", "--mask-truncated", "--save-every", "100", "--out", out])
+    rows = [json.loads(line) for line in Path(out, "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1] * PROMPTS_LOGGED + [2] * PROMPTS_LOGGED
+    for row in rows:
+        assert len(row["group_rewards"]) == 4 and len(row["completions"]) == min(4, COMPLETIONS_LOGGED)
+        assert row["prompt"] and row["gold"]
+        for c, in_group in zip(row["completions"], row["group_rewards"]):
+            _, parts = weighted_rewards([c["text"]], [Decimal(row["gold"])], "lenient,format:0.5")
+            assert c["rewards"] == {name: values[0].item() for name, values in parts.items()}
+            length_cost = tepo.soft_overlong_punishment(torch.tensor([float(c["tokens"])]), 12, 4).item()
+            assert c["reward"] == pytest.approx(c["rewards"]["lenient"] + 0.5 * c["rewards"]["format"] + length_cost)
+            assert c["reward"] == pytest.approx(in_group)
+            assert 1 <= c["tokens"] <= 12 and (c["tokens"] == 12 or not c["cut"])
+            if c["cut"]:
+                assert c["tokens"] == 12
+        advantages = [c["advantage"] for c in row["completions"]]
+        mean = sum(row["group_rewards"]) / 4
+        assert sum(advantages) == pytest.approx(0, abs=1e-4)
+        assert all((a > 0) == (r > mean + 1e-9) for a, r in zip(advantages, row["group_rewards"]) if abs(a) > 1e-6)
+
+
 def test_trl_engine_bad_split_is_one_line(trl_model, capsys):
     """A rollout of 3 x 3 completions cannot make 2 mini-batches: exit 2, one line, nothing written.
     (With 2 prompts, 3 mini-batches are refused earlier, by the command line: a mini-batch holds whole groups.)"""
@@ -214,7 +246,8 @@ def two_trl_checkpoints(trl_model):
     """An --engine trl run of 2 RL steps with a checkpoint after each (checkpoint-2 and checkpoint-4: 2 optimizer
     steps per RL step): its log and final policy are what a run resumed from checkpoint-2 must reproduce."""
     out = "runs/trl_two_checkpoints"
-    run_main([*MICRO, "--engine", "trl", "--objective", "grpo", "--steps", "2", "--save-every", "1", "--out", out])
+    run_main([*MICRO, "--engine", "trl", "--objective", "grpo", "--steps", "2", "--save-every", "1",
+              "--log-completions-every", "1", "--out", out])
     return out, read_rows(out), Path(out, "policy", "model.safetensors").read_bytes()
 
 
@@ -257,6 +290,10 @@ def test_trl_resume_falls_back_to_the_newest_whole_checkpoint(damage, two_trl_ch
     assert without_timing(read_rows(out)) == without_timing(uninterrupted_rows)
     assert [r["step"] for r in read_rows(out)] == [0, 1, 2]
     assert Path(out, "policy", "model.safetensors").read_bytes() == uninterrupted_policy
+    # step 2's completions, logged before the kill, were dropped and logged again: each step's rows once
+    assert Path(out, "completions.jsonl").read_text() == Path(run_dir, "completions.jsonl").read_text()
+    logged = Path(out, "completions.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in logged] == [1, 1, 2, 2]
     assert resume.trl_checkpoint_problem(os.path.join(out, "checkpoint-4")) is None       # written again, whole
     assert resume.trl_checkpoint_problem(os.path.join(out, "incomplete-checkpoint-4")).startswith(phrase)
 

@@ -29,7 +29,8 @@ TOKEN_MEANS = ("clip_ratio/region_mean", "kl_old/k1", "entropy")      # means ov
 RECORD_SCORES = os.path.join(os.path.dirname(__file__), "record_scores")
 # what a run of one RL step leaves (the Trainer saves a checkpoint at its last step), written by the main process
 # but for rng_state_1.pth, process 1's RNG state in the checkpoint
-RUN_DIRECTORY_FILES = [".lock", "README.md", "checkpoint-2", "config.json", "metrics.jsonl", "policy", "summary.json"]
+RUN_DIRECTORY_FILES = [".lock", "README.md", "checkpoint-2", "completions.jsonl", "config.json", "metrics.jsonl",
+                       "policy", "summary.json"]
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +174,9 @@ def test_train_small_engine_trl_under_torchrun_is_one_run_that_logs_the_global_r
     assert all(len({golds[i] for i in group}) == 1 for group in groups)
     zero_spread = [float(len({rewards[i] for i in group}) == 1) for group in groups]
     assert logged["frac_reward_zero_std"] == pytest.approx(statistics.mean(zero_spread))
+    # completions.jsonl, written by process 0, holds both groups: each process's texts and rewards, in that order
+    logged_prompts = [json.loads(line) for line in open(run_dir / "completions.jsonl")]
+    assert [row["step"] for row in logged_prompts] == [1, 1]
+    for row, share in zip(logged_prompts, shares):
+        assert [c["text"] for c in row["completions"]] == share["texts"]
+        assert row["group_rewards"] == share["lenient"] and row["gold"] == str(share["golds"][0])

@@ -311,7 +311,7 @@ def where_the_time_goes(events, on_gpu: bool, new_tokens: int, top: int = 8) -> 
     return {"unit": "kernel" if on_gpu else "operator",
             "busy_ms_per_token": sum(t for _, t, _ in timed) * per_token,
             "launches_per_token": sum(n for _, _, n in timed) / new_tokens,
-            "graph_replays": sum(e.count for e in events if e.key == "cudaGraphLaunch"),
+            "graph_replays": sum(e.count for e in events if e.key.startswith("cudaGraphLaunch")),   # the runtime call
             "top": [{"name": name, "ms_per_token": t * per_token, "calls_per_token": n / new_tokens}
                     for name, t, n in timed[:top]]}
 

@@ -55,9 +55,10 @@ from tepokit.setup.lora import peft_config_for
 from tepokit.setup.model import prepare_start_model
 from tepokit.plumbing.report import trackers_of, warn_failed
 from tepokit.cli.resume import CANNOT_RESUME, check_same_run, newest_whole_trl_checkpoint, set_aside_trl_checkpoints
-from tepokit.plumbing.rundir import (claim_run_dir, code_version, read_log, run_identity, run_name,
-                                     save_pretrained_atomically, seed_everything, to_json, utc_now, write_atomically,
-                                     write_json)
+from tepokit.plumbing.rundir import (append_row, claim_run_dir, code_version, read_log, run_identity, run_name,
+                                     save_pretrained_atomically, seed_everything, to_json, truncate_log, utc_now,
+                                     write_atomically, write_json)
+from tepokit.diagnostics.completions import PROMPTS_LOGGED, logs_completions, rows_of
 from tepokit.plumbing.signals import StopSignals, stopped_after
 from tepokit.setup.task import load_task, task_fingerprint
 from tepokit.core.reward import (chat_messages, check_chat_template, gold_answer, prompt_texts, score_completions,
@@ -109,7 +110,8 @@ class TepoGRPOTrainer(GRPOTrainer):
     paper defaults, tepo.PAPER_DEFAULTS). Everything else is TRL's."""
 
     def __init__(self, model, reward_funcs, args: GRPOConfig, *, objective: str,
-                 objective_config: tepo.ObjectiveConfig | None = None, **trl_kwargs):
+                 objective_config: tepo.ObjectiveConfig | None = None, completions_every: int = 0,
+                 completions_path: str | None = None, **trl_kwargs):
         cfg = tepo.config_for(objective) if objective_config is None else objective_config
         for name, default in TRL_LOSS_SWITCHES.items():
             if getattr(args, name) != default and (name != "use_bias_correction_kl" or args.beta != 0):
@@ -126,11 +128,15 @@ class TepoGRPOTrainer(GRPOTrainer):
         if cfg.aggregation == "seq-mean-token-sum-norm" and cfg.norm_constant is None:
             cfg = dataclasses.replace(cfg, norm_constant=float(args.max_completion_length))
         self.objective, self.objective_config = objective, cfg
+        self.completions_every, self.completions_path = completions_every, completions_path
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, **trl_kwargs)
 
     def _generate_and_score_completions(self, inputs):
-        """TRL's rollout, plus the entropy of the rollout policy [B, T] when the objective needs it."""
+        """TRL's rollout, plus the entropy of the rollout policy [B, T] when the objective needs it; completions.jsonl's
+        rows of the RL step (tepokit/diagnostics/completions.py) when task_rewards scored it."""
         output = super()._generate_and_score_completions(inputs)
+        if self.completions_path is not None:
+            self._log_completions(output)
         if tepo.needs_entropy(self.objective, self.objective_config):
             with torch.no_grad():
                 _, output["old_entropy"], _ = self._get_per_token_logps_and_entropies(
@@ -139,6 +145,31 @@ class TepoGRPOTrainer(GRPOTrainer):
                     output["completion_ids"].size(1), batch_size=self.args.per_device_train_batch_size,
                     compute_entropy=True)
         return output
+
+    def _log_completions(self, output) -> None:
+        """Every process gives its rows' lengths and cuts; the main process appends the rows, from what TRL keeps for
+        its completions table: the prompts, completions, rewards and advantages of the rollout, gathered, with
+        task_rewards' gold answers and rewards by name (log_extra)."""
+        step = self.state.global_step // (self.args.steps_per_generation * self.args.num_iterations) + 1
+        if not logs_completions(step, self.completions_every) or "gold" not in self._logs["extra"]:
+            return
+        ids, mask = output["completion_ids"], output["completion_mask"]                    # [b, T]
+        cut = ~torch.isin(ids, torch.tensor(self.eos_token_ids, device=ids.device)).any(1)   # [b] no end token
+        tokens = torch.where(cut, ids.size(1), mask.sum(1))        # a cut row's mask is 0 with mask_truncated
+        tokens, cut = self.accelerator.gather(torch.stack([tokens, cut.long()], 1)).T.tolist()    # [R] each
+        if not self.accelerator.is_main_process:
+            return
+        R, G, logs = len(tokens), self.num_generations, self._logs
+        rollout = {name: list(column)[-R:] for name, column in [*logs.items(), *logs["extra"].items()]
+                   if name not in ("rewards", "extra", "images")}
+        rewards = [sum(r) for r in zip(*(list(column)[-R:] for column in logs["rewards"].values()))]   # TRL's total
+        prompts = [self.processing_class.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+                   if isinstance(p, list) else p for p in rollout["prompt"][:PROMPTS_LOGGED * G:G]]
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in rollout["completion"]]
+        parts = {name.removeprefix("rewards/"): rollout[name] for name in rollout if name.startswith("rewards/")}
+        for row in rows_of(step, prompts, rollout["gold"][::G], G, texts, rewards, parts, rollout["advantages"],
+                           tokens, cut):
+            append_row(self.completions_path, row)
 
     def _compute_loss(self, model, inputs):
         """tepo's objective on one micro-batch of TRL's rollout; its metrics go to TRL's logs."""
@@ -255,7 +286,7 @@ def trl_prompts(questions: list[str], start_model: str, args) -> list:
 def task_rewards(args, cfg: tepo.ObjectiveConfig) -> list:
     """TRL reward functions for train_small's task: --reward's weighted sum (tepokit/core/reward.py), plus DAPO's
     soft length cost when the objective asks for it. Accuracy and each reward are logged with train_small's names."""
-    def correct_answer(prompts, completions, gold, log_metric, **_):
+    def correct_answer(prompts, completions, gold, log_metric, log_extra, **_):
         # a conversational prompt's completion is a list of messages: the assistant's reply is its text
         completions = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         golds = [Decimal(g) if g else None for g in gold]
@@ -263,8 +294,10 @@ def task_rewards(args, cfg: tepo.ObjectiveConfig) -> list:
         log_metric("accuracy/strict", strict.mean().item())
         log_metric("accuracy/lenient", lenient.mean().item())
         rewards, parts = weighted_rewards(completions, golds, args.reward)
+        log_extra("gold", list(gold))                       # completions.jsonl's columns (TepoGRPOTrainer)
         for name, values in parts.items():
             log_metric(f"rewards/{name}/mean", values.mean().item())
+            log_extra(f"rewards/{name}", values.tolist())
         return rewards.tolist()
 
     def overlong_penalty(completion_ids, **_):
@@ -359,6 +392,8 @@ def train(args, obj_overrides: dict, evaluate) -> dict:
     with without_transformers_bars(when=args.model is None):
         trainer = TepoGRPOTrainer(model=start_model, reward_funcs=task_rewards(args, cfg), args=config,
                                   train_dataset=prompts, objective=args.objective, objective_config=cfg,
+                                  completions_every=args.log_completions_every,
+                                  completions_path=os.path.join(run_dir, "completions.jsonl"),
                                   peft_config=peft_config_for(start_model, args))     # --lora-rank (setup/lora.py)
     reporters = tuple(get_reporting_integration_callbacks(config.report_to))
     trainer.callback_handler.callbacks = [KeepTrainingIfReportingFails(c, run_dir) if isinstance(c, reporters) else c
@@ -383,6 +418,9 @@ def train(args, obj_overrides: dict, evaluate) -> dict:
             before = {"step": 0, **evaluate(trainer.model, trainer.processing_class, test, args, device)}
             write_atomically(metrics_path, lambda f: f.write((to_json(before) + "\n").encode()))
     resume_from = resume_checkpoint(run_dir, state, optimizer_steps) if args.resume else None
+    completions = os.path.join(run_dir, "completions.jsonl")
+    if resume_from and state.is_main_process and os.path.exists(completions):   # a step cut short is made again
+        truncate_log(completions, int(resume_from.rsplit("-", 1)[1]) // optimizer_steps + 1)
     # The stop signals are recorded until the summary is written: training stops at an RL step's end with a
     # checkpoint (StopAtStepEnd); a signal during the last step, the final save or the summary waits for them.
     with StopSignals(finish_step=True) as stop:
