@@ -78,10 +78,11 @@ def test_modules_stay_short():
 
 def test_no_line_of_python_is_over_120_characters():
     """Every .py file of the repository, the tests, the notebooks' helpers and the experiments' scripts included
-    (directories of runs and hidden ones left out)."""
+    (left out: runs, hidden directories and virtual environments, such as a venv/ made inside the repository)."""
     long = []
     for folder, dirs, files in os.walk(REPO):
-        dirs[:] = [d for d in dirs if not d.startswith((".", "__")) and d != "runs"]
+        dirs[:] = [d for d in dirs if not d.startswith((".", "__")) and d != "runs"
+                   and not os.path.exists(os.path.join(folder, d, "pyvenv.cfg"))]
         for name in files:
             if name.endswith(".py"):
                 path = os.path.join(folder, name)
