@@ -1,4 +1,5 @@
 """tepokit/tools/bench.py: --bench without TRL says how to install it; the cost of tepo's input checks."""
+import dataclasses
 import json
 import os
 import sys
@@ -130,6 +131,19 @@ def test_the_bench_times_every_row_and_says_the_median_and_range_of_its_repeats(
     args, _ = parse_args(ts.Args, ["--bench"])
     run = bench.bench_args(args, "out")
     assert run.steps == args.bench_steps + 1 and run.entropy_check_every > run.steps and not run.bench
+
+
+@pytest.mark.parametrize("flags, first", [([], False), (["--decode-precision", "tf32"], False),
+                                          (["--precision", "bf16"], False), (["--recompute-old-logprobs"], True),
+                                          (["--no-recompute-old-logprobs"], False)])
+def test_the_first_side_takes_the_samplers_old_logprobs_unless_told_and_the_second_recomputes(flags, first):
+    """Unset, TF32 and bf16 runs recompute the old log-probs (tepokit/core/step_settings.py): the bench's first side
+    asks for the sampler's, so that its two sides differ by exactly that; a choice given on the command line stays."""
+    args, _ = parse_args(ts.Args, ["--bench", *flags])
+    sampler, recomputing = bench.old_logprob_sides(args)
+    assert sampler.recompute_old_logprobs is first and recomputing.recompute_old_logprobs is True
+    assert dataclasses.replace(sampler, recompute_old_logprobs=None) == dataclasses.replace(args,
+                                                                                            recompute_old_logprobs=None)
 
 
 def test_the_gpt2_small_shape_is_a_preset_that_flags_override_and_is_refused_with_a_model():

@@ -76,10 +76,11 @@ def measure(args, obj_overrides: dict, train, out: str) -> None:
           f"(forward and backward, {100 * checks['checks_s'] / checks['objective_s']:.1f}%)")
     decode = decode_precision(args.decode_precision, args.precision, pick_device(args).type)
     sides = {"ours": [], "ours_recomputed": [], "trl": []}
+    sampler_side, recomputing_side = old_logprob_sides(args)
     for r in range(args.bench_repeats):
-        sides["ours"].append(timed_steps(args, same_work, train, os.path.join(out, f"ours_{r + 1}")))
-        sides["ours_recomputed"].append(timed_steps(dataclasses.replace(args, recompute_old_logprobs=True), same_work,
-                                                    train, os.path.join(out, f"ours_recomputed_{r + 1}")))
+        sides["ours"].append(timed_steps(sampler_side, same_work, train, os.path.join(out, f"ours_{r + 1}")))
+        sides["ours_recomputed"].append(timed_steps(recomputing_side, same_work, train,
+                                                    os.path.join(out, f"ours_recomputed_{r + 1}")))
         sides["trl"].append(bench_trl(args, cfg, os.path.join(out, f"trl_{r + 1}"), decode))
         print(f"  repeat {r + 1}/{args.bench_repeats}: ours {sides['ours'][-1]['step_time']:.3f} s, ours recomputing "
               f"the old log-probs {sides['ours_recomputed'][-1]['step_time']:.3f} s, TRL "
@@ -110,6 +111,14 @@ def measure(args, obj_overrides: dict, train, out: str) -> None:
     print(f"written: {os.path.join(out, 'bench.json')}")
 
 
+def old_logprob_sides(args) -> tuple:
+    """Our two sides' settings: the sampler's old log-probs, unless --recompute-old-logprobs was given (unset, TF32
+    and bf16 decoding would recompute them too, and both sides would be the same run), and recomputing them."""
+    asked = args.recompute_old_logprobs
+    sampler = args if asked is not None else dataclasses.replace(args, recompute_old_logprobs=False)
+    return sampler, dataclasses.replace(args, recompute_old_logprobs=True)
+
+
 def ratio_summary(trl_seconds: list, our_seconds: list) -> dict:
     """TRL's seconds per step over ours, per repeat (repeat i of each side was run back to back), their
     median and their range."""
@@ -131,8 +140,8 @@ def print_result(result: dict, decode: str) -> None:
     print(f"recomputing the old log-probs (--recompute-old-logprobs, the default in bf16 and TF32) costs "
           f"{again - ours:.3f} s a step ({100 * (again / ours - 1):+.0f}%): {recomputed['median']:.2f}x TRL's (range "
           f"{recomputed['min']:.2f}x to {recomputed['max']:.2f}x), the passes TRL makes")
-    print("what still differs: ours takes the old log-probs from the sampler when GPT-2's loop decodes in fp32 (TRL "
-          "makes a forward pass for them, as ours does when recomputing or decoding in TF32 or bf16), reads each "
+    print("what still differs: ours takes the old log-probs from the sampler unless --recompute-old-logprobs is "
+          "given (TRL makes a forward pass for them, as ours does when recomputing), reads each "
           "prompt once per group, samples with its own loop and runs GPT-2's tanh gelu as one kernel; TRL samples "
           "with generate and computes its GRPO loss; both sides' completion lengths follow their own samples. Both "
           f"sides decode in {decode} (--decode-precision)")
