@@ -12,7 +12,8 @@ Two failures leave the loss near 0 and the metrics calm while nothing is learned
 "the quickstart truncated most completions"): most completions cut at --max-new-tokens, where a completion has no
 final answer for the reward to read; and every group's rewards equal, where every advantage is 0. CannotLearnWatch
 reads each metrics.jsonl row and says so in one line when one of them lasts STREAK steps in a row, once per streak;
-the row of that step gets `warning/truncation` or `warning/no_signal` = 1."""
+the row of that step gets `warning/truncation` or `warning/no_signal` = 1. --engine trl reads TRL's log rows with it
+(tepokit/tools/tepo_trl.py, CannotLearnWarnings)."""
 
 from __future__ import annotations
 

@@ -133,3 +133,31 @@ START = {"tensorboard": start_tensorboard, "trackio": start_trackio, "wandb": st
 LOG = {"tensorboard": log_tensorboard, "trackio": log_run, "wandb": log_run}
 CLOSE = {"tensorboard": lambda writer: writer.close(), "trackio": lambda run: run.finish(),
          "wandb": lambda run: run.finish()}
+
+
+class KeepTrainingIfReportingFails:
+    """One of the Trainer's reporting callbacks (--engine trl's --report-to: TensorBoard, trackio, wandb), wrapped so
+    that its failure (a full disk, a tracker offline) is one warning line (warn_failed) and the end of its curves,
+    not the end of training: metrics.jsonl, written from TRL's own log, stays the record."""
+
+    def __init__(self, callback, run_dir: str):
+        self.callback, self.run_dir = callback, run_dir
+
+    def __getattr__(self, event: str):        # every event the Trainer calls: on_log, on_train_begin, ...
+        if event.startswith("__") or "callback" not in self.__dict__:   # copy and pickle look for these
+            raise AttributeError(event)
+        if self.callback is None:              # failed before: its curves have stopped
+            return lambda *args, **kwargs: None
+        method = getattr(self.callback, event)
+        if not callable(method):
+            return method
+
+        def guarded(*args, **kwargs):
+            try:
+                return method(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 -- whatever the tracker raised, training goes on
+                name = type(self.callback).__name__.removesuffix("Callback")
+                self.callback = None
+                warn_failed(name, event, e, self.run_dir)
+                return None
+        return guarded

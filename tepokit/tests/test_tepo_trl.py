@@ -190,6 +190,39 @@ def test_trl_engine_writes_completions_jsonl_as_the_loop_does(trl_model):
         assert all((a > 0) == (r > mean + 1e-9) for a, r in zip(advantages, row["group_rewards"]) if abs(a) > 1e-6)
 
 
+def test_trl_engine_warns_when_a_run_cannot_learn_as_the_loop_does(trl_model, capsys):
+    """--max-new-tokens 2: most completions are cut, and none has a `#### n`: both warnings of the built-in engine
+    fire at step STREAK, once, in one line each, and metrics.jsonl records them on that step."""
+    from tepokit.diagnostics.completions import STREAK
+    from tepokit.tests.test_completions import warnings_of
+    run_main([*MICRO, "--engine", "trl", "--objective", "grpo", "--steps", str(STREAK + 1), "--max-new-tokens", "2",
+              "--overlong-cache", "1", "--reward", "strict", "--save-every", "100", "--out", "runs/trl_cut"])
+    rows = read_rows("runs/trl_cut")
+    assert all(r["completions/clipped_ratio"] > 0.5 for r in rows[1:])
+    assert warnings_of(rows) == {STREAK: ["no_signal", "truncation"]}
+    lines = [line for line in capsys.readouterr().out.splitlines() if "warning: " in line]
+    assert len(lines) == 2 and lines[0].startswith(f"warning: step {STREAK}: more than half the completions were cut")
+
+
+def test_trl_warnings_go_on_from_a_resumed_runs_history(capsys):
+    """A resumed run's history (its checkpoint's trainer state) is replayed without a word: its streak goes on, and
+    the warning fires on the step an uninterrupted run's does; TRL's rows without a rollout are not read."""
+    from types import SimpleNamespace
+    from tepokit.diagnostics.completions import STREAK
+    from tepokit.tools.tepo_trl import CannotLearnWarnings
+    args, _ = parse_args(ts.Args, MICRO)
+    cut = {"reward": 0.0, "completions/clipped_ratio": 1.0, "frac_reward_zero_std": 0.0}
+    history = [{**cut, "step": 2 * step} for step in range(1, STREAK)] + [{"loss": 0.1, "step": 2 * STREAK - 1}]
+    state = SimpleNamespace(log_history=history, is_world_process_zero=True, global_step=2 * STREAK)
+    callback = CannotLearnWarnings(args, optimizer_steps=2)
+    callback.on_train_begin(None, state, None)
+    assert capsys.readouterr().out == ""
+    state.log_history.append({**cut, "step": 2 * STREAK})              # as Trainer.log keeps it, before on_log
+    callback.on_log(None, state, None, logs=cut)
+    assert state.log_history[-1]["warning/truncation"] == 1.0 and "warning/no_signal" not in state.log_history[-1]
+    assert capsys.readouterr().out.startswith(f"warning: step {STREAK}: more than half the completions were cut")
+
+
 def test_trl_engine_bad_split_is_one_line(trl_model, capsys):
     """A rollout of 3 x 3 completions cannot make 2 mini-batches: exit 2, one line, nothing written.
     (With 2 prompts, 3 mini-batches are refused earlier, by the command line: a mini-batch holds whole groups.)"""

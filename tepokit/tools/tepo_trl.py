@@ -53,12 +53,12 @@ from tepokit.plumbing.errors import fail
 from tepokit.plumbing.hub import without_transformers_bars
 from tepokit.setup.lora import peft_config_for
 from tepokit.setup.model import prepare_start_model
-from tepokit.plumbing.report import trackers_of, warn_failed
+from tepokit.plumbing.report import KeepTrainingIfReportingFails, trackers_of
 from tepokit.cli.resume import CANNOT_RESUME, check_same_run, newest_whole_trl_checkpoint, set_aside_trl_checkpoints
 from tepokit.plumbing.rundir import (append_row, claim_run_dir, code_version, read_log, run_identity, run_name,
                                      save_pretrained_atomically, seed_everything, to_json, truncate_log, utc_now,
                                      write_atomically, write_json)
-from tepokit.diagnostics.completions import PROMPTS_LOGGED, logs_completions, rows_of
+from tepokit.diagnostics.completions import PROMPTS_LOGGED, CannotLearnWatch, logs_completions, rows_of
 from tepokit.plumbing.signals import StopSignals, stopped_after
 from tepokit.setup.task import load_task, task_fingerprint
 from tepokit.core.reward import (chat_messages, check_chat_template, gold_answer, prompt_texts, score_completions,
@@ -326,32 +326,23 @@ class StopAtStepEnd(TrainerCallback):
         return control
 
 
-class KeepTrainingIfReportingFails:
-    """One of the Trainer's reporting callbacks (--report-to: TensorBoard, trackio, wandb), wrapped so that
-    its failure (a full disk, a tracker offline) is one warning line and the end of its curves, not the end
-    of training: metrics.jsonl, written from TRL's own log, stays the record (tepokit/plumbing/report.py)."""
+class CannotLearnWarnings(TrainerCallback):
+    """The built-in engine's warnings of a run that cannot learn (tepokit/diagnostics/completions.py,
+    CannotLearnWatch), read from TRL's log row of each RL step (the one with its rollout's `reward`); the row of
+    the step a warning fires gets `warning/<name>` = 1, kept in TRL's log history (and so in metrics.jsonl and in
+    a checkpoint's trainer state). A resumed run replays its checkpoint's rows first, without a word."""
 
-    def __init__(self, callback, run_dir: str):
-        self.callback, self.run_dir = callback, run_dir
+    def __init__(self, args, optimizer_steps: int):
+        self.watch, self.optimizer_steps = CannotLearnWatch(args, print), optimizer_steps
 
-    def __getattr__(self, event: str):        # every event the Trainer calls: on_log, on_train_begin, ...
-        if event.startswith("__") or "callback" not in self.__dict__:   # copy and pickle look for these
-            raise AttributeError(event)
-        if self.callback is None:              # failed before: its curves have stopped
-            return lambda *args, **kwargs: None
-        method = getattr(self.callback, event)
-        if not callable(method):
-            return method
+    def on_train_begin(self, args, state, control, **kwargs):
+        for row in state.log_history:       # a resumed run's, from its checkpoint
+            if "reward" in row:
+                self.watch.check({**row, "step": row["step"] // self.optimizer_steps}, quiet=True)
 
-        def guarded(*args, **kwargs):
-            try:
-                return method(*args, **kwargs)
-            except Exception as e:  # noqa: BLE001 -- whatever the tracker raised, training goes on
-                name = type(self.callback).__name__.removesuffix("Callback")
-                self.callback = None
-                warn_failed(name, event, e, self.run_dir)
-                return None
-        return guarded
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs and "reward" in logs:     # the row TRL has just kept, last
+            state.log_history[-1].update(self.watch.check({**logs, "step": state.global_step // self.optimizer_steps}))
 
 
 def train(args, obj_overrides: dict, evaluate) -> dict:
@@ -427,6 +418,7 @@ def train(args, obj_overrides: dict, evaluate) -> dict:
         with without_transformers_bars(), warnings.catch_warnings():
             ignore_trls_checkpointing_warning()
             trainer.add_callback(StopAtStepEnd(stop, optimizer_steps, identity))
+            trainer.add_callback(CannotLearnWarnings(args, optimizer_steps))
             trainer.train(resume_from_checkpoint=resume_from)
         step = trainer.state.global_step // optimizer_steps      # the RL step TRL stopped after
         if not state.is_main_process:
