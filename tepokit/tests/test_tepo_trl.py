@@ -158,7 +158,7 @@ def test_trl_engine_two_steps(case, trl_model):
     assert os.path.exists(os.path.join(out, "policy", "config.json"))
 
 
-def test_trl_engine_writes_completions_jsonl_as_the_loop_does(trl_model):
+def test_trl_engine_writes_completions_jsonl_as_the_loop_does(trl_model, capsys):
     """--engine trl's completions.jsonl: the rows of train_small.py's loop (tepokit/diagnostics/completions.py) on
     each logged step, from TRL's rollout. Each completion's rewards by name are the reward functions' on its text,
     its reward their weighted sum plus DAPO's length cost over its tokens, its group's rewards include it, the
@@ -172,6 +172,8 @@ def test_trl_engine_writes_completions_jsonl_as_the_loop_does(trl_model):
               "--reward", "lenient,format:0.5", "--mask-truncated", "--save-every", "100", "--out", out])
     rows = [json.loads(line) for line in Path(out, "completions.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1] * PROMPTS_LOGGED + [2] * PROMPTS_LOGGED
+    said = capsys.readouterr().out                       # the end of the run shows the last step's first prompt
+    assert "  completions          step 2, its first prompt (completions.jsonl): " in said
     for row in rows:
         assert len(row["group_rewards"]) == 4 and len(row["completions"]) == min(4, COMPLETIONS_LOGGED)
         assert row["prompt"] and row["gold"]

@@ -58,7 +58,8 @@ from tepokit.cli.resume import CANNOT_RESUME, check_same_run, newest_whole_trl_c
 from tepokit.plumbing.rundir import (append_row, claim_run_dir, code_version, read_log, run_identity, run_name,
                                      save_pretrained_atomically, seed_everything, to_json, truncate_log, utc_now,
                                      write_atomically, write_json)
-from tepokit.diagnostics.completions import PROMPTS_LOGGED, CannotLearnWatch, logs_completions, rows_of
+from tepokit.diagnostics.completions import (PROMPTS_LOGGED, CannotLearnWatch, logs_completions, rows_of,
+                                             show_completions)
 from tepokit.plumbing.signals import StopSignals, stopped_after
 from tepokit.setup.task import load_task, task_fingerprint
 from tepokit.core.reward import (chat_messages, check_chat_template, gold_answer, prompt_texts, score_completions,
@@ -439,6 +440,8 @@ def train(args, obj_overrides: dict, evaluate) -> dict:
                    "gain_points": 100 * (after["eval/accuracy"] - before["eval/accuracy"])}
         write_json(os.path.join(run_dir, "summary.json"), summary)
         print(f"held-out accuracy {summary['start_accuracy']:.3f} -> {summary['final_accuracy']:.3f}; {run_dir}")
+        for label, text in show_completions(run_dir):       # as the loop's summary shows them
+            print(f"  {label:<20} {text}")
         if lock is not None:
             lock.close()
         leave_process_group()
