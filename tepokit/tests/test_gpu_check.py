@@ -84,12 +84,12 @@ def test_a_kernels_name_is_shortened_to_what_tells_it_apart():
 def test_the_bench_table_gives_each_decodings_ratio_and_where_each_side_spends_its_step():
     """The bench part's row as report() writes it: each side's seconds per step, the ratios, and each side's median
     step split into its generation and the rest; a failed bench a row of its own."""
-    row = {"decode": "tf32", "returncode": 0, "ratio": {"median": 2.5, "min": 2.0, "max": 3.33},
+    row = {"run": "tf32", "returncode": 0, "ratio": {"median": 2.5, "min": 2.0, "max": 3.33},
            "ratio_recomputed": {"median": 2.22}, "ours_seconds": [4.0, 5.0, 3.0], "trl_seconds": [10.0, 10.0, 10.0],
            "generate_seconds": {"ours": [2.0, 3.0, 1.0], "trl": [7.0, 6.0, 8.0]}}
     table = gpu_check.report({"device": "NVIDIA H100 80GB HBM3", "torch": "2.11", "started_at": "a", "finished_at": "b",
                               "micro": False, "code": {"commit": "c", "uncommitted_changes": False},
-                              "bench": [row, {"decode": "bf16", "returncode": 1}]})
+                              "bench": [row, {"run": "bf16", "returncode": 1}]})
     lines = table.splitlines()
     assert ("| tf32 | 4.000, 5.000, 3.000 | 10.000, 10.000, 10.000 | 2.50x (2.00-3.33) | 2.22x | 2.000, 7.000 s | "
             "2.000, 3.000 s |") in lines
@@ -107,8 +107,18 @@ def test_each_memory_run_is_a_valid_train_small_command(number, tmp_path):
     assert args.check_memory_on_device and args.objective == "grpo" and args.prompts_per_step * args.group_size == 128
 
 
+@pytest.mark.parametrize("run", list(gpu_check.BENCH_RUNS))
+def test_each_bench_run_is_a_valid_train_small_command(run):
+    """What measure_bench runs, as train_small.py parses and validates it: the bench at GPT-2 small's shape and the
+    table's work, the sampler's old log-probs on the first side, in the run's precision."""
+    args, _ = parse_args(ts.Args, [*gpu_check.BENCH_FLAGS, "--max-new-tokens", "256", *gpu_check.BENCH_RUNS[run],
+                                   "--no-recompute-old-logprobs"])
+    assert args.bench and args.bench_shape == "gpt2-small" and args.prompts_per_step * args.group_size == 128
+    assert (args.precision, args.decode_precision) == (("bf16", "auto") if run == "bf16-autocast" else ("fp32", run))
+
+
 @pytest.mark.parametrize("argv, says", [(["--parts", "generation,speed"], "--parts"),
-                                        (["--bench-decode", "fp16"], "--bench-decode"),
+                                        (["--bench-runs", "fp16"], "--bench-runs"),
                                         (["--memory-runs", "9"], "--memory-runs"), (["--jobs", "0"], "--jobs")])
 def test_bad_input_is_refused_in_one_line_and_nothing_is_written(argv, says, tmp_path):
     out = tmp_path / "check"

@@ -19,8 +19,9 @@ nothing is downloaded) and prompts of GSM8K's length cut to 256 tokens:
               wall time (a busy share far below 1: the GPU waits for the host), the kernels launched per token,
               whether the decode step was replayed as a CUDA graph, and the kernels that take most of the time
   bench       train_small.py --bench --bench-shape gpt2-small at the same work (16 x 8 x 256), once per
-              --bench-decode precision (TRL's generation in the same one): our step, with the sampler's old
-              log-probs and recomputing them, against TRL's GRPOTrainer
+              --bench-runs run (a fp32 run decoding in TF32 or bf16, TRL's generation in the same one; a
+              --precision bf16 run on both sides): our step, with the sampler's old log-probs and recomputing
+              them, against TRL's GRPOTrainer, each side's generation apart
 
 Writes gpu_check.json (every number) and gpu_check.md (the tables) to --out, and prints the tables; the profiler's
 whole tables go to <out>/profile/. --micro runs
@@ -53,6 +54,10 @@ PROGRAM = "python -m tepokit.tools.gpu_check"
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "train_small.py")
 PARTS = ("generation", "profile", "memory", "bench")
 DECODES = ("fp32", "tf32", "bf16")
+# The bench's runs (--bench-runs): a fp32 run decoding in each precision (TRL's generation in the same one), and a
+# --precision bf16 run (bf16 autocast for training and decoding on both sides: TRL's bf16=True)
+BENCH_RUNS = {"fp32": ["--decode-precision", "fp32"], "tf32": ["--decode-precision", "tf32"],
+              "bf16": ["--decode-precision", "bf16"], "bf16-autocast": ["--precision", "bf16"]}
 GENERATION_SHAPES = {"gpt2-small": "GPT-2's loop", "qwen2.5-0.5b": "static KV cache"}
 # The recipes of docs/one-gpu.md's memory tables: (name, shape, flags). Each adds COMMON_FLAGS.
 MEMORY_RUNS = [
@@ -85,13 +90,14 @@ def parse(argv=None):
                         "comma-separated, or all")
     parser.add_argument("--jobs", type=int, default=1, help="memory runs at once (each measures its own process's "
                         "peak, so running several changes no number but their times)")
-    parser.add_argument("--bench-decode", default=",".join(DECODES), help=f"the bench's --decode-precision, once each, "
-                        f"comma-separated, of {', '.join(DECODES)}")
+    parser.add_argument("--bench-runs", default="tf32,bf16,bf16-autocast", help="the bench's runs, comma-separated, "
+                        f"of {', '.join(BENCH_RUNS)}: a fp32 run decoding in fp32, TF32 or bf16, or a --precision bf16 "
+                        "run (bf16-autocast)")
     parser.add_argument("--micro", action="store_true", help="2-layer models of width 64 and a few tokens: a check "
                         "of the command, not a measurement")
     args = parser.parse_args(argv)
     args.parts = listed(args.parts, PARTS, "--parts")
-    args.bench_decode = listed(args.bench_decode, DECODES, "--bench-decode")
+    args.bench_runs = listed(args.bench_runs, BENCH_RUNS, "--bench-runs")
     numbers = [str(i + 1) for i in range(len(MEMORY_RUNS))]
     args.memory_runs = numbers if args.memory_runs == "all" else listed(args.memory_runs, numbers, "--memory-runs")
     if args.jobs < 1:
@@ -355,17 +361,17 @@ def measure_memory(models: dict, data: str, args, rows: list, keep) -> None:
 
 
 def measure_bench(args, rows: list, keep) -> None:
-    """--bench at the table's work, once per --bench-decode precision; its console in <out>/bench_<decode>.log; each
-    row kept (keep) into rows."""
-    for decode in args.bench_decode:
-        out = os.path.join(args.out, f"bench_{decode}")
+    """--bench at the table's work, once per --bench-runs run; its console in <out>/bench_<run>.log; each row kept
+    (keep) into rows."""
+    for run in args.bench_runs:
+        out = os.path.join(args.out, f"bench_{run}")
         lengths = ["--max-new-tokens", str(args.new_tokens)] + (["--bench-steps", "1"] if args.micro else [])
-        # the sampler's old log-probs on the first side, recomputed on the second, in every decoding precision
-        argv = [sys.executable, SCRIPT, *BENCH_FLAGS, *lengths, "--decode-precision", decode,
-                "--no-recompute-old-logprobs", "--out", out]
+        # the sampler's old log-probs on the first side, recomputed on the second, in every run
+        argv = [sys.executable, SCRIPT, *BENCH_FLAGS, *lengths, *BENCH_RUNS[run], "--no-recompute-old-logprobs",
+                "--out", out]
         with open(out + ".log", "w") as log:
             done = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT)
-        row = {"decode": decode, "returncode": done.returncode}
+        row = {"run": run, "returncode": done.returncode}
         if done.returncode == 0:
             with open(os.path.join(out, "bench.json")) as f:
                 bench = json.load(f)
@@ -375,7 +381,7 @@ def measure_bench(args, rows: list, keep) -> None:
                        ours_phases={k: sum(o[k] for o in bench["ours"]) / len(bench["ours"])
                                     for k in bench["ours"][0] if k.startswith("timing/")},
                        generate_seconds={side: [r["timing/generate"] for r in bench[side]] for side in ("ours", "trl")})
-        print(f"  bench, {decode} decoding: "
+        print(f"  bench, {run}: "
               f"{'%.2fx TRL' % row['ratio']['median'] if done.returncode == 0 else 'FAILED, see ' + out + '.log'}",
               flush=True)
         keep(rows, row)
@@ -419,17 +425,17 @@ def report(result: dict) -> str:
         lines.append("")
     if "bench" in result:
         lines += ["## --bench: our step against TRL's GRPOTrainer (GPT-2 small shape, 16 x 8 x 256)", "",
-                  "| decoding | ours (the sampler's old log-probs), s per step | TRL, s per step | TRL / ours (median, "
+                  "| run | ours (the sampler's old log-probs), s per step | TRL, s per step | TRL / ours (median, "
                   "range) | TRL / ours recomputing the old log-probs | of the step, generation: ours, TRL | the rest: "
                   "ours, TRL |", "|---|---|---|---|---|---|---|"]
         for r in result["bench"]:
             if r["returncode"] != 0:
-                lines.append(failed(r["decode"], r["returncode"], columns=7))
+                lines.append(failed(r["run"], r["returncode"], columns=7))
                 continue
             ratio, again = r["ratio"], r["ratio_recomputed"]
             ours, trl = (median(r[f"{side}_seconds"]) for side in ("ours", "trl"))
             ours_gen, trl_gen = (median(r["generate_seconds"][side]) for side in ("ours", "trl"))
-            lines.append(f"| {r['decode']} | {', '.join('%.3f' % s for s in r['ours_seconds'])} | "
+            lines.append(f"| {r['run']} | {', '.join('%.3f' % s for s in r['ours_seconds'])} | "
                          f"{', '.join('%.3f' % s for s in r['trl_seconds'])} | {ratio['median']:.2f}x "
                          f"({ratio['min']:.2f}-{ratio['max']:.2f}) | {again['median']:.2f}x | {ours_gen:.3f}, "
                          f"{trl_gen:.3f} s | {ours - ours_gen:.3f}, {trl - trl_gen:.3f} s |")
