@@ -108,12 +108,14 @@ def test_each_memory_run_is_a_valid_train_small_command(number, tmp_path):
 
 
 @pytest.mark.parametrize("run", list(gpu_check.BENCH_RUNS))
-def test_each_bench_run_is_a_valid_train_small_command(run):
-    """What measure_bench runs, as train_small.py parses and validates it: the bench at GPT-2 small's shape and the
-    table's work, the sampler's old log-probs on the first side, in the run's precision."""
-    args, _ = parse_args(ts.Args, [*gpu_check.BENCH_FLAGS, "--max-new-tokens", "256", *gpu_check.BENCH_RUNS[run],
-                                   "--no-recompute-old-logprobs"])
+def test_each_bench_run_is_a_valid_train_small_command(run, capsys):
+    """What measure_bench runs, as train_small.py parses and validates it, without a warning: the bench at GPT-2
+    small's shape and the table's work in the run's precision, the sampler's old log-probs on its first side."""
+    from tepokit.tools.bench import old_logprob_sides
+    args, _ = parse_args(ts.Args, [*gpu_check.BENCH_FLAGS, "--max-new-tokens", "256", *gpu_check.BENCH_RUNS[run]])
+    assert capsys.readouterr().err == ""
     assert args.bench and args.bench_shape == "gpt2-small" and args.prompts_per_step * args.group_size == 128
+    assert [side.recompute_old_logprobs for side in old_logprob_sides(args)] == [False, True]
     assert (args.precision, args.decode_precision) == (("bf16", "auto") if run == "bf16-autocast" else ("fp32", run))
 
 

@@ -366,9 +366,8 @@ def measure_bench(args, rows: list, keep) -> None:
     for run in args.bench_runs:
         out = os.path.join(args.out, f"bench_{run}")
         lengths = ["--max-new-tokens", str(args.new_tokens)] + (["--bench-steps", "1"] if args.micro else [])
-        # the sampler's old log-probs on the first side, recomputed on the second, in every run
-        argv = [sys.executable, SCRIPT, *BENCH_FLAGS, *lengths, *BENCH_RUNS[run], "--no-recompute-old-logprobs",
-                "--out", out]
+        # the bench's first side takes the sampler's old log-probs, its second recomputes them (bench.old_logprob_sides)
+        argv = [sys.executable, SCRIPT, *BENCH_FLAGS, *lengths, *BENCH_RUNS[run], "--out", out]
         with open(out + ".log", "w") as log:
             done = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT)
         row = {"run": run, "returncode": done.returncode}
