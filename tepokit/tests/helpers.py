@@ -55,6 +55,16 @@ def read_rows(run_dir):
     return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
 
 
+def read_completions(run_dir):
+    return [json.loads(line) for line in open(os.path.join(run_dir, "completions.jsonl"))]
+
+
+def warnings_of(rows):
+    """{step: [names]} of the warnings a run's metrics.jsonl rows record."""
+    return {r["step"]: sorted(k[len("warning/"):] for k in r if k.startswith("warning/"))
+            for r in rows if any(k.startswith("warning/") for k in r)}
+
+
 def without_timing(rows):
     return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
 

@@ -18,23 +18,13 @@ from tepokit.core.reward import REWARDS, format_prompt, gold_answer
 from tepokit.diagnostics.completions import STREAK, CannotLearnWatch, logs_completions
 from tepokit.plumbing.rundir import read_log
 from tepokit.setup.task import load_task
-from tepokit.tests.helpers import MICRO, REPO, read_rows, run_main, without_timing
-
-
-def read_completions(run_dir):
-    return [json.loads(line) for line in open(os.path.join(run_dir, "completions.jsonl"))]
+from tepokit.tests.helpers import MICRO, REPO, read_completions, read_rows, run_main, warnings_of, without_timing
 
 
 def comparable(rows):
     """Rows without timings and without logprobs/first_minibatch_*: in this run a resumed run's differ from an
     uninterrupted run's by ~1e-8 (so they did before completions.jsonl existed)."""
     return [{k: v for k, v in r.items() if not k.startswith("logprobs/first_minibatch")} for r in without_timing(rows)]
-
-
-def warnings_of(rows):
-    """{step: [names]} of the warnings a run's metrics.jsonl rows record."""
-    return {r["step"]: sorted(k[len("warning/"):] for k in r if k.startswith("warning/"))
-            for r in rows if any(k.startswith("warning/") for k in r)}
 
 
 @pytest.mark.parametrize("objective", sorted(tepo.OBJECTIVES))

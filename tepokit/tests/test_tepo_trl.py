@@ -21,8 +21,8 @@ from tepokit.cli.flags import parse_args
 from tepokit.plumbing.signals import Stopped
 from tepokit.setup.model import prepare_start_model
 from tepokit.setup.task import load_task
-from tepokit.tests.helpers import (MICRO, assert_refused_in_one_line, line_of, read_rows, rows_in, run_main,
-                                   signal_at, start_process, wait_until, without_timing)
+from tepokit.tests.helpers import (MICRO, assert_refused_in_one_line, line_of, read_completions, read_rows, rows_in,
+                                   run_main, signal_at, start_process, wait_until, warnings_of, without_timing)
 
 
 TRL_PARITY = {   # case: (tepo objective, its config overrides, TRL's own loss settings)
@@ -170,7 +170,7 @@ def test_trl_engine_writes_completions_jsonl_as_the_loop_does(trl_model, capsys)
     out = "runs/trl_completions"
     run_main([*MICRO, "--engine", "trl", "--objective", "dapo", "--steps", "2", "--log-completions-every", "1",
               "--reward", "lenient,format:0.5", "--mask-truncated", "--save-every", "100", "--out", out])
-    rows = [json.loads(line) for line in Path(out, "completions.jsonl").read_text().splitlines()]
+    rows = read_completions(out)
     assert [r["step"] for r in rows] == [1] * PROMPTS_LOGGED + [2] * PROMPTS_LOGGED
     said = capsys.readouterr().out                       # the end of the run shows the last step's first prompt
     assert "  completions          step 2, its first prompt (completions.jsonl): " in said
@@ -196,7 +196,6 @@ def test_trl_engine_warns_when_a_run_cannot_learn_as_the_loop_does(trl_model, ca
     """--max-new-tokens 2: most completions are cut, and none has a `#### n`: both warnings of the built-in engine
     fire at step STREAK, once, in one line each, and metrics.jsonl records them on that step."""
     from tepokit.diagnostics.completions import STREAK
-    from tepokit.tests.test_completions import warnings_of
     run_main([*MICRO, "--engine", "trl", "--objective", "grpo", "--steps", str(STREAK + 1), "--max-new-tokens", "2",
               "--overlong-cache", "1", "--reward", "strict", "--save-every", "100", "--out", "runs/trl_cut"])
     rows = read_rows("runs/trl_cut")
@@ -327,8 +326,7 @@ def test_trl_resume_falls_back_to_the_newest_whole_checkpoint(damage, two_trl_ch
     assert Path(out, "policy", "model.safetensors").read_bytes() == uninterrupted_policy
     # step 2's completions, logged before the kill, were dropped and logged again: each step's rows once
     assert Path(out, "completions.jsonl").read_text() == Path(run_dir, "completions.jsonl").read_text()
-    logged = Path(out, "completions.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in logged] == [1, 1, 2, 2]
+    assert [row["step"] for row in read_completions(out)] == [1, 1, 2, 2]
     assert resume.trl_checkpoint_problem(os.path.join(out, "checkpoint-4")) is None       # written again, whole
     assert resume.trl_checkpoint_problem(os.path.join(out, "incomplete-checkpoint-4")).startswith(phrase)
 

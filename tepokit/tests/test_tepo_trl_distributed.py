@@ -12,7 +12,7 @@ import torch
 
 from tepokit.cli import resume
 from tepokit.tests.fixed_batch_step import expected_reward_mean, one_step, save_tiny_model
-from tepokit.tests.helpers import MICRO, REPO, SCRIPT
+from tepokit.tests.helpers import MICRO, REPO, SCRIPT, read_completions
 
 # objective -> rows per micro-batch of its one-process reference. TEPO (token-mean) reads the statistics of
 # the micro-batch in its mask (entropy_criterion="cov"), per process as in verl: its reference accumulates
@@ -175,7 +175,7 @@ def test_train_small_engine_trl_under_torchrun_is_one_run_that_logs_the_global_r
     zero_spread = [float(len({rewards[i] for i in group}) == 1) for group in groups]
     assert logged["frac_reward_zero_std"] == pytest.approx(statistics.mean(zero_spread))
     # completions.jsonl, written by process 0, holds both groups: each process's texts and rewards, in that order
-    logged_prompts = [json.loads(line) for line in open(run_dir / "completions.jsonl")]
+    logged_prompts = read_completions(run_dir)
     assert [row["step"] for row in logged_prompts] == [1, 1]
     for row, share in zip(logged_prompts, shares):
         assert [c["text"] for c in row["completions"]] == share["texts"]
