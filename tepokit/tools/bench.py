@@ -74,7 +74,8 @@ def measure(args, obj_overrides: dict, train, out: str) -> None:
     print(f"input checks of {args.objective} (tepo._prepare) on a {checks['batch']} mini-batch: "
           f"{1e3 * checks['checks_s']:.3f} ms of the objective's {1e3 * checks['objective_s']:.3f} ms "
           f"(forward and backward, {100 * checks['checks_s'] / checks['objective_s']:.1f}%)")
-    decode = decode_precision(args.decode_precision, args.precision, pick_device(args).type)
+    device = pick_device(args)
+    decode = decode_precision(args.decode_precision, args.precision, device.type)
     sides = {"ours": [], "ours_recomputed": [], "trl": []}
     sampler_side, recomputing_side = old_logprob_sides(args)
     for r in range(args.bench_repeats):
@@ -97,7 +98,7 @@ def measure(args, obj_overrides: dict, train, out: str) -> None:
                                                 [o["step_time"] for o in sides["ours_recomputed"]])}
     print_result(result, decode)
     flops = counted_flops(args, same_work, train, os.path.join(out, "ours_flops"))
-    device, dtype = pick_device(args), torch.bfloat16 if args.precision == "bf16" else torch.float32
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     rate = matmul_rate(args.threads, dtype, device)
     median_ours = {k: median([o[k] for o in sides["ours"]]) for k in sides["ours"][0]}
     print_phases(median_ours, flops, rate, f"{device_name(device)}, {str(dtype)[6:]}")
