@@ -85,7 +85,6 @@ def one_accumulated_step(trainer, compute_loss, micro_batches):
 
 @pytest.mark.parametrize("case", list(TRL_PARITY))
 def test_trl_parity_one_step(case, trl_model, tmp_path):
-    from trl import GRPOTrainer
     from trl.trainer.utils import split_tensor_dict
     objective, overrides, trl_loss = TRL_PARITY[case]
     cfg = tepo.config_for(objective, **overrides)
