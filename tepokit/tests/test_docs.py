@@ -1,5 +1,6 @@
 """README.md and docs/: every relative link leads to a file of the repository, and every #anchor to one of that
 file's headings (as GitHub makes their anchors: lower case, punctuation dropped but hyphens, spaces as hyphens)."""
+import functools
 import os
 import re
 
@@ -10,14 +11,19 @@ def anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
+def prose(path: str) -> str:
+    """The page without its code blocks: a '# comment' there is no heading, a `](x)` no link."""
+    return re.sub(r"```.*?```", "", open(path).read(), flags=re.S)
+
+
+@functools.cache
 def headings(path: str) -> set:
-    text = re.sub(r"```.*?```", "", open(path).read(), flags=re.S)          # a '# comment' in a code block is none
-    return {anchor(line.lstrip("#")) for line in text.splitlines() if re.match(r"#{1,6} ", line)}
+    """The anchors of a page's headings (read once per page, however many links point into it)."""
+    return {anchor(line.lstrip("#")) for line in prose(path).splitlines() if re.match(r"#{1,6} ", line)}
 
 
 def links(path: str) -> list:
-    text = re.sub(r"```.*?```", "", open(path).read(), flags=re.S)
-    return [m[1] for m in re.finditer(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z]+:", m[1])]
+    return [m[1] for m in re.finditer(r"\]\(([^)\s]+)\)", prose(path)) if not re.match(r"[a-z]+:", m[1])]
 
 
 def test_every_relative_link_of_the_docs_leads_somewhere():

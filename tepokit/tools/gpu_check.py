@@ -24,9 +24,9 @@ nothing is downloaded) and prompts of GSM8K's length cut to 256 tokens:
               them, against TRL's GRPOTrainer, each side's generation apart
 
 Writes gpu_check.json (every number) and gpu_check.md (the tables) to --out, and prints the tables; the profiler's
-whole tables go to <out>/profile/. --micro runs
-the same on 2-layer models of width 64 with the real vocabularies, a few tokens and (in generation) 4 prompts x 2
-samples: a check of the command on any machine (the CPU included), not a measurement.
+whole tables go to <out>/profile/. --micro runs the same on 2-layer models of width 64 with the real vocabularies, a
+few tokens and (in generation) 4 prompts x 2 samples: a check of the command on any machine (the CPU included), not
+a measurement.
 """
 
 from __future__ import annotations

@@ -166,7 +166,7 @@ class TepoGRPOTrainer(GRPOTrainer):
         rewards = [sum(r) for r in zip(*(list(column)[-R:] for column in logs["rewards"].values()))]   # TRL's total
         prompts = [self.processing_class.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
                    if isinstance(p, list) else p for p in rollout["prompt"][:PROMPTS_LOGGED * G:G]]
-        texts = [c[-1]["content"] if isinstance(c, list) else c for c in rollout["completion"]]
+        texts = [reply_text(c) for c in rollout["completion"]]
         parts = {name.removeprefix("rewards/"): rollout[name] for name in rollout if name.startswith("rewards/")}
         for row in rows_of(step, prompts, rollout["gold"][::G], G, texts, rewards, parts, rollout["advantages"],
                            tokens, cut):
@@ -284,12 +284,16 @@ def trl_prompts(questions: list[str], start_model: str, args) -> list:
     return prompt_texts(questions, tokenizer, args)
 
 
+def reply_text(completion) -> str:
+    """A completion's text: a conversational prompt's completion is a list of messages, the assistant's reply last."""
+    return completion[-1]["content"] if isinstance(completion, list) else completion
+
+
 def task_rewards(args, cfg: tepo.ObjectiveConfig) -> list:
     """TRL reward functions for train_small's task: --reward's weighted sum (tepokit/core/reward.py), plus DAPO's
     soft length cost when the objective asks for it. Accuracy and each reward are logged with train_small's names."""
     def correct_answer(prompts, completions, gold, log_metric, log_extra, **_):
-        # a conversational prompt's completion is a list of messages: the assistant's reply is its text
-        completions = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        completions = [reply_text(c) for c in completions]
         golds = [Decimal(g) if g else None for g in gold]
         strict, lenient = score_completions(completions, golds)
         log_metric("accuracy/strict", strict.mean().item())
@@ -368,6 +372,7 @@ def train(args, obj_overrides: dict, evaluate) -> dict:
     torch.set_num_threads(args.threads)
     cfg = objective_config(args, obj_overrides)
     run_dir = args.resume or args.out or os.path.join("runs", run_name(args) + "__trl")
+    completions_path = os.path.join(run_dir, "completions.jsonl")
     lock = claim_run_dir(run_dir, resume=True) if args.resume and state.is_main_process else None
     device = state.device
     seed_everything(args.seed)
@@ -385,7 +390,7 @@ def train(args, obj_overrides: dict, evaluate) -> dict:
         trainer = TepoGRPOTrainer(model=start_model, reward_funcs=task_rewards(args, cfg), args=config,
                                   train_dataset=prompts, objective=args.objective, objective_config=cfg,
                                   completions_every=args.log_completions_every,
-                                  completions_path=os.path.join(run_dir, "completions.jsonl"),
+                                  completions_path=completions_path,
                                   peft_config=peft_config_for(start_model, args))     # --lora-rank (setup/lora.py)
     reporters = tuple(get_reporting_integration_callbacks(config.report_to))
     trainer.callback_handler.callbacks = [KeepTrainingIfReportingFails(c, run_dir) if isinstance(c, reporters) else c
@@ -410,9 +415,8 @@ def train(args, obj_overrides: dict, evaluate) -> dict:
             before = {"step": 0, **evaluate(trainer.model, trainer.processing_class, test, args, device)}
             write_atomically(metrics_path, lambda f: f.write((to_json(before) + "\n").encode()))
     resume_from = resume_checkpoint(run_dir, state, optimizer_steps) if args.resume else None
-    completions = os.path.join(run_dir, "completions.jsonl")
-    if resume_from and state.is_main_process and os.path.exists(completions):   # a step cut short is made again
-        truncate_log(completions, int(resume_from.rsplit("-", 1)[1]) // optimizer_steps + 1)
+    if resume_from and state.is_main_process and os.path.exists(completions_path):   # a step cut short is made again
+        truncate_log(completions_path, int(resume_from.rsplit("-", 1)[1]) // optimizer_steps + 1)
     # The stop signals are recorded until the summary is written: training stops at an RL step's end with a
     # checkpoint (StopAtStepEnd); a signal during the last step, the final save or the summary waits for them.
     with StopSignals(finish_step=True) as stop:
